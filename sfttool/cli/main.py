@@ -1,0 +1,29 @@
+"""The `sfttool` command table. Each subcommand lives in its own module and
+imports heavy libraries (torch, transformers) only when it runs."""
+from __future__ import annotations
+
+import click
+
+from sfttool import __version__
+from sfttool.cli.check_dataset import check_custom_dataset
+from sfttool.cli.chat import chat
+from sfttool.cli.configs import copy_cfg, list_cfg
+from sfttool.cli.convert import convert
+from sfttool.cli.env import env, version
+from sfttool.cli.process_dataset import process_dataset
+from sfttool.cli.train import train
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sfttool")
+def cli() -> None:
+    """Config-driven supervised fine-tuning of large language models."""
+
+
+for command in (list_cfg, copy_cfg, train, check_custom_dataset, process_dataset,
+                convert, chat, version, env):
+    cli.add_command(command)
+
+
+if __name__ == "__main__":
+    cli()

