@@ -1,0 +1,8 @@
+"""The error a map fn raises for a row it cannot convert."""
+
+
+class MapFnError(ValueError):
+    """A raw row lacks a field or has one of the wrong type.
+
+    The message names the field and the fix; the pipeline adds the file and row.
+    """

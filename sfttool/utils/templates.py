@@ -1,0 +1,209 @@
+"""Prompt templates (how a conversation turn becomes text) and system prompts.
+
+A prompt template is a dict of six fields; ``template_map_fn`` applies it to
+each turn of a standard ``conversation`` row:
+
+    turn input  := [SYSTEM.format(system=...)] + INSTRUCTION.format(input=..., round=i + 1)
+    turn output := output + SUFFIX          (SUFFIX is trained; it is the end-of-turn marker)
+    need_eos_token := not SUFFIX_AS_EOS     (append the tokenizer's EOS after the output)
+    sep := SEP                              (untrained text after each turn)
+
+STOP_WORDS end generation at inference. The names and values are XTuner 0.2's
+(a config migrates by renaming the package) plus a few newer models; where a
+value differs from XTuner 0.2 the entry says why (see docs/templates.md).
+
+One extension: when SYSTEM itself contains ``{input}``, a turn that has a
+system prompt is rendered by SYSTEM alone (``SYSTEM.format(system=, input=,
+round=)``), which folds the system prompt into the user message for models
+that have no system role (Gemma 2).
+
+``PROMPT_TEMPLATE.hf_chat_template`` is special: it tells the encoder to
+render with the tokenizer's own jinja ``chat_template``.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+from mmengine.config import ConfigDict
+
+# Values a template may leave out; every built-in is completed with them.
+TEMPLATE_DEFAULTS = dict(SYSTEM="{system}\n", INSTRUCTION="{input}", SUFFIX="", SUFFIX_AS_EOS=False,
+                         SEP="", STOP_WORDS=[])
+TEMPLATE_FIELDS = tuple(TEMPLATE_DEFAULTS)
+
+_CHATML = dict(
+    SYSTEM="<|im_start|>system\n{system}<|im_end|>\n",
+    INSTRUCTION="<|im_start|>user\n{input}<|im_end|>\n<|im_start|>assistant\n",
+    SUFFIX="<|im_end|>",
+    SUFFIX_AS_EOS=True,
+    SEP="\n",
+    STOP_WORDS=["<|im_end|>", "<|endoftext|>"],
+)
+
+_VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant "
+                  "gives helpful, detailed, and polite answers to the user's questions. {system}\n ")
+
+_DEEPSEEK_CODER_SYSTEM = (
+    "You are an AI programming assistant, utilizing the DeepSeek Coder model, developed by "
+    "DeepSeekCompany, and you only answer questions related to computer science. For politically "
+    "sensitive questions, security and privacy issues, and other non-computer science questions, "
+    "you will refuse to answer. {system}\n")
+
+# Mistral/Mixtral instruct: `<s>[INST] q1 [/INST]a1</s>[INST] q2 [/INST]a2</s>`. There is no
+# system role; mistral-common prepends the system prompt to the first user message.
+# (XTuner 0.2: SYSTEM='[INST] {system} [/INST]\n', SEP='\n', a turn and a newline the model never saw.)
+_MISTRAL = dict(SYSTEM="[INST] {system}\n\n{input} [/INST]", INSTRUCTION="[INST] {input} [/INST]")
+# DeepSeek-MoE keeps XTuner 0.2's value.
+_XTUNER_INST = dict(SYSTEM="[INST] {system} [/INST]\n", INSTRUCTION="[INST] {input} [/INST]", SEP="\n")
+
+# - Turn 0: SYSTEM + INSTRUCTION, [output + SUFFIX], SEP
+# - Turn 1: INSTRUCTION, [output + SUFFIX], SEP
+# [] marks the trained part.
+_TEMPLATES: dict[str, dict[str, Any]] = dict(
+    default=dict(SYSTEM="<|System|>:{system}\n", INSTRUCTION="<|User|>:{input}\n<|Bot|>:", SEP="\n"),
+    # Zephyr ends every message with </s>: `<|user|>\nq</s>\n<|assistant|>\na</s>\n`.
+    # (XTuner 0.2 left </s> out after the system and user messages.)
+    zephyr=dict(SYSTEM="<|system|>\n{system}</s>\n", INSTRUCTION="<|user|>\n{input}</s>\n<|assistant|>\n",
+                SEP="\n"),
+    internlm_chat=dict(SYSTEM="<|System|>:{system}\n", INSTRUCTION="<|User|>:{input}<eoh>\n<|Bot|>:",
+                       SUFFIX="<eoa>", SUFFIX_AS_EOS=True, SEP="\n", STOP_WORDS=["<eoa>"]),
+    internlm2_chat=dict(_CHATML, STOP_WORDS=["<|im_end|>"]),
+    moss_sft=dict(SYSTEM="{system}\n", INSTRUCTION="<|Human|>: {input}<eoh>\n", SEP="\n",
+                  STOP_WORDS=["<eoc>", "<eom>"]),
+    # Llama 2 chat: `<s>[INST] <<SYS>>\nsys\n<</SYS>>\n\nq1 [/INST] a1 </s><s>[INST] q2 [/INST] a2 </s>`:
+    # the system block sits inside the first [INST]. (XTuner 0.2 put Meta's default
+    # system prompt in a separate [INST] turn before every custom one, and a newline between turns.)
+    llama2_chat=dict(SYSTEM="[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{input} [/INST]",
+                     INSTRUCTION="[INST] {input} [/INST]"),
+    code_llama_chat=dict(SYSTEM="{system}\n", INSTRUCTION="[INST] {input} [/INST]"),
+    chatglm2=dict(SYSTEM="{system}\n", INSTRUCTION="[Round {round}]\n\n问：{input}\n\n答：", SEP="\n\n"),
+    chatglm3=dict(SYSTEM="<|system|>\n{system}", INSTRUCTION="<|user|>\n{input}<|assistant|>\n", SEP="\n"),
+    qwen_chat=dict(_CHATML),
+    # Qwen3 in non-thinking mode: its chat template puts an empty think block
+    # before the answer of the current turn. It sits in INSTRUCTION, so it is
+    # part of every prompt (never trained) and inference prompts end with it too.
+    qwen3_chat=dict(_CHATML,
+                    INSTRUCTION=("<|im_start|>user\n{input}<|im_end|>\n"
+                                 "<|im_start|>assistant\n<think>\n\n</think>\n\n")),
+    baichuan_chat=dict(SYSTEM="{system}\n", INSTRUCTION="<reserved_102>{input}<reserved_103>", SEP="\n"),
+    baichuan2_chat=dict(SYSTEM="{system}\n", INSTRUCTION="<reserved_106>{input}<reserved_107>", SEP="\n"),
+    wizardlm=dict(SYSTEM=_VICUNA_SYSTEM, INSTRUCTION="USER: {input} ASSISTANT:", SEP="\n"),
+    wizardcoder=dict(
+        SYSTEM=("Below is an instruction that describes a task. Write a response that appropriately "
+                "completes the request.\n\n{system}\n "),
+        INSTRUCTION="### Instruction:\n{input}\n\n### Response:", SEP="\n\n"),
+    vicuna=dict(SYSTEM=_VICUNA_SYSTEM, INSTRUCTION="USER: {input} ASSISTANT:", SEP="\n"),
+    deepseek_coder=dict(SYSTEM=_DEEPSEEK_CODER_SYSTEM, INSTRUCTION="### Instruction:\n{input}\n### Response:\n",
+                        SEP="\n"),
+    deepseekcoder=dict(SYSTEM=_DEEPSEEK_CODER_SYSTEM, INSTRUCTION="### Instruction:\n{input}\n### Response:\n",
+                       SEP="\n"),
+    deepseek_moe=dict(_XTUNER_INST),
+    deepseek_v2=dict(SYSTEM="{system}\n\n", INSTRUCTION="User: {input}\n\nAssistant: ",
+                     SUFFIX="<｜end▁of▁sentence｜>", SUFFIX_AS_EOS=True, STOP_WORDS=["<｜end▁of▁sentence｜>"]),
+    mistral=dict(_MISTRAL),
+    mixtral=dict(_MISTRAL),
+    # Mistral's v3 tokenizer (Mistral-7B-Instruct-v0.3, Mistral-Nemo): [INST]/[/INST] are control
+    # tokens and no space precedes [/INST]: `<s>[INST] q1[/INST] a1</s>[INST] q2[/INST]`.
+    mistral_v3=dict(_MISTRAL, SYSTEM="[INST] {system}\n\n{input}[/INST]", INSTRUCTION="[INST] {input}[/INST]"),
+    minicpm=dict(INSTRUCTION="<用户> {input} <AI>", SEP="\n"),
+    minicpm3=dict(_CHATML),
+    # Gemma (1) has no system role; XTuner 0.2 invented a `system` turn and kept it.
+    gemma=dict(SYSTEM="<start_of_turn>system\n{system}<end_of_turn>\n",
+               INSTRUCTION="<start_of_turn>user\n{input}<end_of_turn>\n<start_of_turn>model\n",
+               SUFFIX="<end_of_turn>", SUFFIX_AS_EOS=False, SEP="\n", STOP_WORDS=["<end_of_turn>"]),
+    # Gemma 2 rejects a system role: the system prompt opens the first user
+    # message (as Gemma 3's own template does), and <end_of_turn> ends a turn.
+    gemma2=dict(SYSTEM="<start_of_turn>user\n{system}\n\n{input}<end_of_turn>\n<start_of_turn>model\n",
+                INSTRUCTION="<start_of_turn>user\n{input}<end_of_turn>\n<start_of_turn>model\n",
+                SUFFIX="<end_of_turn>", SUFFIX_AS_EOS=True, SEP="\n", STOP_WORDS=["<end_of_turn>"]),
+    cohere_chat=dict(
+        SYSTEM="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{system}<|END_OF_TURN_TOKEN|>",
+        INSTRUCTION=("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{input}<|END_OF_TURN_TOKEN|>"
+                     "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"),
+        SUFFIX="<|END_OF_TURN_TOKEN|>", SUFFIX_AS_EOS=True, STOP_WORDS=["<|END_OF_TURN_TOKEN|>"]),
+    llama3_chat=dict(
+        SYSTEM="<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>",
+        INSTRUCTION=("<|start_header_id|>user<|end_header_id|>\n\n{input}<|eot_id|>"
+                     "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        SUFFIX="<|eot_id|>", SUFFIX_AS_EOS=True, STOP_WORDS=["<|eot_id|>"]),
+    phi3_chat=dict(SYSTEM="<|system|>\n{system}<|end|>\n", INSTRUCTION="<|user|>\n{input}<|end|>\n<|assistant|>\n",
+                   SUFFIX="<|end|>", SUFFIX_AS_EOS=True, SEP="\n", STOP_WORDS=["<|end|>"]),
+)
+
+
+def complete_template(template: Mapping[str, Any]) -> ConfigDict:
+    """Return ``template`` as a ConfigDict with every field present.
+
+    >>> complete_template(dict(INSTRUCTION='Q: {input}\\nA: ')).SUFFIX_AS_EOS
+    False
+    """
+    if template.get("HF_CHAT_TEMPLATE"):
+        return ConfigDict(dict(template))
+    unknown = sorted(set(template) - set(TEMPLATE_FIELDS))
+    if unknown:
+        raise ValueError(f"prompt template has unknown field(s) {unknown}; "
+                         f"valid fields are {list(TEMPLATE_FIELDS)} (or HF_CHAT_TEMPLATE=True)")
+    merged = {k: template.get(k, v) for k, v in TEMPLATE_DEFAULTS.items()}
+    merged["STOP_WORDS"] = list(merged["STOP_WORDS"] or [])
+    return ConfigDict(merged)
+
+
+PROMPT_TEMPLATE = ConfigDict({name: complete_template(t) for name, t in _TEMPLATES.items()})
+# Render with the tokenizer's own jinja chat_template at encode time.
+PROMPT_TEMPLATE.hf_chat_template = ConfigDict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])
+
+SYSTEM_TEMPLATE = ConfigDict(
+    moss_sft=("You are an AI assistant whose name is {bot_name}.\n"
+              "Capabilities and tools that {bot_name} can possess.\n"
+              "- Inner thoughts: enabled.\n"
+              "- Web search: enabled. API: Search(query)\n"
+              "- Calculator: enabled. API: Calculate(expression)\n"
+              "- Equation solver: enabled. API: Solve(equation)\n"
+              "- Text-to-image: disabled.\n"
+              "- Image edition: disabled.\n"
+              "- Text-to-speech: disabled.\n"),
+    alpaca=("Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\n"),
+    arxiv_gentile=("If you are an expert in writing papers, please generate "
+                   "a good paper title for this paper based on other authors' "
+                   "descriptions of their abstracts.\n"),
+    colorist=("You are a professional color designer. Please provide the "
+              "corresponding colors based on the description of Human.\n"),
+    coder=("You are a professional programer. Please provide the "
+           "corresponding code based on the description of Human.\n"),
+    lawyer="你现在是一名专业的中国律师，请根据用户的问题给出准确、有理有据的回复。\n",
+    medical="如果你是一名医生，请根据患者的描述回答医学问题。\n",
+    sql=("If you are an expert in SQL, please generate a good SQL Query "
+         "for Question based on the CREATE TABLE statement.\n"),
+)
+
+
+def is_hf_chat_template(template: Any) -> bool:
+    """True for ``PROMPT_TEMPLATE.hf_chat_template`` (render with the tokenizer's jinja)."""
+    return isinstance(template, Mapping) and bool(template.get("HF_CHAT_TEMPLATE"))
+
+
+def get_template(name_or_dict: str | Mapping[str, Any]) -> ConfigDict:
+    """Look a template up by name, or complete a template dict.
+
+    >>> get_template('qwen_chat').SUFFIX
+    '<|im_end|>'
+    >>> get_template('qwen_caht')
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown prompt template 'qwen_caht'; valid names: qwen_chat, qwen3_chat, ...
+    """
+    if isinstance(name_or_dict, Mapping):
+        return complete_template(name_or_dict)
+    if not isinstance(name_or_dict, str):
+        raise TypeError(f"a prompt template is a name or a dict, got {type(name_or_dict).__name__}")
+    name = name_or_dict
+    if name.startswith("PROMPT_TEMPLATE."):  # how a dumped config may spell it
+        name = name[len("PROMPT_TEMPLATE."):]
+    if name in PROMPT_TEMPLATE:
+        return PROMPT_TEMPLATE[name]
+    names = sorted(PROMPT_TEMPLATE)
+    close = difflib.get_close_matches(name, names, n=len(names), cutoff=0.5)
+    ordered = close + [n for n in names if n not in close]
+    raise ValueError(f"unknown prompt template {name_or_dict!r}; valid names: {', '.join(ordered)}")

@@ -1,0 +1,366 @@
+"""Dataset map fns (raw format -> standard conversation) and template_map_fn."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+
+from sfttool.dataset import map_fns
+from sfttool.dataset.map_fns import (MapFnError, alpaca_map_fn, alpaca_zh_map_fn, arxiv_map_fn, code_alpaca_map_fn,
+                                     colors_map_fn, crime_kg_assitant_map_fn, default_map_fn, law_reference_map_fn,
+                                     medical_map_fn, oasst1_map_fn, openai_map_fn, openorca_map_fn, pretrain_map_fn,
+                                     sharegpt_map_fn, sql_map_fn, stack_exchange_map_fn, template_map_fn,
+                                     template_map_fn_factory, tiny_codes_map_fn, wizardlm_map_fn)
+from sfttool.registry import MAP_FUNC, build
+from sfttool.utils import PROMPT_TEMPLATE, SYSTEM_TEMPLATE
+
+RAW_FORMAT_FNS = [
+    "alpaca_map_fn", "alpaca_zh_map_fn", "oasst1_map_fn", "openai_map_fn", "wizardlm_map_fn", "code_alpaca_map_fn",
+    "openorca_map_fn", "sql_map_fn", "medical_map_fn", "law_reference_map_fn", "crime_kg_assitant_map_fn",
+    "arxiv_map_fn", "colors_map_fn", "stack_exchange_map_fn", "tiny_codes_map_fn", "default_map_fn",
+    "pretrain_map_fn", "sharegpt_map_fn",
+]
+
+
+def one_turn(input, output, system=None):
+    turn = {"system": system} if system is not None else {}
+    turn.update(input=input, output=output)
+    return {"conversation": [turn]}
+
+
+@pytest.mark.parametrize("name", RAW_FORMAT_FNS)
+def test_registered_and_exported_by_name(name):
+    fn = getattr(map_fns, name)
+    assert MAP_FUNC.get(name) is fn
+    assert name in map_fns.__all__
+    assert fn.__doc__ and ">>>" in fn.__doc__
+
+
+# --- one realistic raw row per format, exact output ---------------------------------------------
+
+def test_alpaca():
+    row = {"instruction": "Give three tips for staying healthy.", "input": "",
+           "output": "1. Eat a balanced diet.\n2. Exercise.\n3. Sleep well."}
+    assert alpaca_map_fn(row) == one_turn("Give three tips for staying healthy.\n",
+                                          "1. Eat a balanced diet.\n2. Exercise.\n3. Sleep well.")
+    row = {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}
+    assert alpaca_map_fn(row) == one_turn("Translate to French.\nGood morning", "Bonjour")
+    assert alpaca_map_fn({"instruction": "x", "input": None, "output": "y"}) == one_turn("x\n", "y")
+    assert alpaca_map_fn({"instruction": "x", "input": "", "output": "<nooutput>"}) == {"conversation": []}
+
+
+def test_alpaca_zh():
+    row = {"instruction_zh": "把这句话翻译成英文。", "input_zh": "你好", "output_zh": "Hello",
+           "instruction": "ignored", "input": "", "output": "ignored"}
+    assert alpaca_zh_map_fn(row) == one_turn("把这句话翻译成英文。\n你好", "Hello")
+
+
+def test_oasst1():
+    row = {"text": "### Human: Can you explain contrastive learning?"
+                   "### Assistant: Sure! It pulls similar pairs together."
+                   "### Human: And negatives?### Assistant: They are pushed apart."
+                   "### Human: Thanks"}
+    assert oasst1_map_fn(row) == {"conversation": [
+        {"input": "Can you explain contrastive learning?", "output": "Sure! It pulls similar pairs together."},
+        {"input": "And negatives?", "output": "They are pushed apart."},
+    ]}
+
+
+def test_openai():
+    row = {"messages": [
+        {"role": "assistant", "content": "Hi! How can I help?"},  # leading assistant: skipped
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris.", "loss": "False"},
+        {"role": "user", "content": "And Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": "unanswered"},
+    ]}
+    assert openai_map_fn(row) == {"conversation": [
+        {"system": "You are terse.", "input": "Capital of France?", "output": "Paris.", "output_with_loss": False},
+        {"input": "And Italy?", "output": "Rome.", "output_with_loss": True},
+    ]}
+
+
+def test_openai_consecutive_user_messages_are_concatenated():
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                        {"role": "assistant", "content": "c", "loss": True}]}
+    assert openai_map_fn(row) == {"conversation": [{"input": "ab", "output": "c", "output_with_loss": True}]}
+
+
+def test_wizardlm():
+    row = {"idx": "1", "conversations": [
+        {"from": "gpt", "value": "ignored greeting"},
+        {"from": "human", "value": "Write a haiku about rain."},
+        {"from": "gpt", "value": "Soft rain on the roof"},
+        {"from": "human", "value": "Another?"},
+        {"from": "gpt", "value": "Puddles hold the sky"},
+    ]}
+    assert wizardlm_map_fn(row) == {"conversation": [
+        {"input": "Write a haiku about rain.", "output": "Soft rain on the roof"},
+        {"input": "Another?", "output": "Puddles hold the sky"},
+    ]}
+
+
+def test_code_alpaca():
+    row = {"prompt": "Create a function that adds two numbers.", "completion": "def add(a, b):\n    return a + b"}
+    assert code_alpaca_map_fn(row) == one_turn("Create a function that adds two numbers.",
+                                               "def add(a, b):\n    return a + b", SYSTEM_TEMPLATE.coder)
+
+
+def test_openorca():
+    row = {"id": "niv.1", "system_prompt": "You are an AI assistant.", "question": "What is 2+2?", "response": "4"}
+    assert openorca_map_fn(row) == one_turn("What is 2+2?", "4", "You are an AI assistant.")
+    row["system_prompt"] = ""
+    assert openorca_map_fn(row) == one_turn("What is 2+2?", "4", "")
+
+
+def test_sql():
+    row = {"context": "CREATE TABLE head (age INTEGER)", "question": "How many heads are older than 56?",
+           "answer": "SELECT COUNT(*) FROM head WHERE age > 56"}
+    assert sql_map_fn(row) == one_turn("CREATE TABLE head (age INTEGER)\nHow many heads are older than 56?",
+                                       "SELECT COUNT(*) FROM head WHERE age > 56", SYSTEM_TEMPLATE.sql)
+
+
+def test_medical():
+    row = {"instruction": "我头痛，怎么办？", "input": "持续两天", "output": "建议休息并就医。"}
+    assert medical_map_fn(row) == one_turn("我头痛，怎么办？\n持续两天", "建议休息并就医。", SYSTEM_TEMPLATE.medical)
+
+
+def test_law_reference():
+    row = {"question": "合同无效的情形有哪些？", "answer": "违反法律强制性规定的合同无效。", "reference": ["民法典"]}
+    assert law_reference_map_fn(row) == one_turn("合同无效的情形有哪些？", "违反法律强制性规定的合同无效。",
+                                                 SYSTEM_TEMPLATE.lawyer)
+
+
+def test_crime_kg_assitant():
+    row = {"input": "盗窃罪如何量刑？", "output": "根据数额大小量刑。"}
+    assert crime_kg_assitant_map_fn(row) == one_turn("盗窃罪如何量刑？", "根据数额大小量刑。", SYSTEM_TEMPLATE.lawyer)
+
+
+def test_arxiv():
+    row = {"id": "0704.0001", "abstract": "  We compute QCD cross sections.", "title": "Calculation of QCD"}
+    assert arxiv_map_fn(row) == one_turn("  We compute QCD cross sections.", "Calculation of QCD",
+                                         SYSTEM_TEMPLATE.arxiv_gentile)
+
+
+def test_colors():
+    row = {"color": "#2f4f4f", "description": "Dark slate gray: a deep, muted green-gray: like a stormy sea"}
+    assert colors_map_fn(row) == one_turn("a deep, muted green-gray: like a stormy sea", "#2f4f4f",
+                                          SYSTEM_TEMPLATE.colorist)
+
+
+def test_stack_exchange():
+    row = {"qid": 1, "question": "How do I reverse a list in Python?", "response": "Use `lst[::-1]`.",
+           "date": "2020/01/01"}
+    assert stack_exchange_map_fn(row) == one_turn("How do I reverse a list in Python?", "Use `lst[::-1]`.")
+
+
+def test_tiny_codes():
+    row = {"prompt": "Write a Rust snippet printing hi.", "response": "fn main() { println!(\"hi\"); }"}
+    assert tiny_codes_map_fn(row) == one_turn("Write a Rust snippet printing hi.",
+                                              "fn main() { println!(\"hi\"); }", SYSTEM_TEMPLATE.coder)
+
+
+def test_default():
+    assert default_map_fn({"input": "Hello", "output": "Hi there!", "extra": 1}) == one_turn("Hello", "Hi there!")
+
+
+def test_pretrain():
+    assert pretrain_map_fn({"text": "\n  The quick brown fox.  \n"}) == {
+        "conversation": [{"input": "", "output": "The quick brown fox.", "need_eos_token": False}]}
+
+
+# --- bad rows -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn, row, field", [
+    (alpaca_map_fn, {"instruction": "x", "input": ""}, "output"),
+    (alpaca_map_fn, {"input": "", "output": "y"}, "instruction"),
+    (default_map_fn, {"input": "x", "output": None}, "output"),
+    (sql_map_fn, {"context": "c", "answer": "a"}, "question"),
+    (pretrain_map_fn, {"content": "text"}, "text"),
+    (openai_map_fn, {"conversations": []}, "messages"),
+    (wizardlm_map_fn, {"messages": []}, "conversations"),
+])
+def test_missing_field_is_a_map_fn_error_naming_it(fn, row, field):
+    with pytest.raises(MapFnError, match=f"no '{field}' field"):
+        fn(row)
+
+
+@pytest.mark.parametrize("fn, row, field", [
+    (default_map_fn, {"input": "x", "output": 3}, "output"),
+    (alpaca_map_fn, {"instruction": ["x"], "input": "", "output": "y"}, "instruction"),
+    (openai_map_fn, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "content"),
+])
+def test_non_string_field_is_a_map_fn_error_naming_it(fn, row, field):
+    with pytest.raises(MapFnError, match=f"field '{field}' must be a string, got"):
+        fn(row)
+
+
+def test_map_fn_error_is_a_value_error():
+    assert issubclass(MapFnError, ValueError)
+
+
+def test_openai_unknown_role_names_role_and_position():
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]}
+    with pytest.raises(MapFnError, match=r"messages\[1\] has role 'tool'"):
+        openai_map_fn(row)
+
+
+def test_wizardlm_unknown_speaker_names_it_and_position():
+    row = {"conversations": [{"from": "human", "value": "q"}, {"from": "assistant", "value": "a"}]}
+    with pytest.raises(MapFnError, match=r"conversations\[1\] is from 'assistant'"):
+        wizardlm_map_fn(row)
+
+
+# --- sharegpt -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("user, assistant", [
+    ("human", "gpt"), ("user", "assistant"), ("Human", "ChatGPT"), ("user", "bing"), ("USER", "bard"),
+    ("user", "model"),
+])
+def test_sharegpt_role_spellings(user, assistant):
+    row = {"conversations": [{"from": user, "value": "Hi"}, {"from": assistant, "value": "Hello"}]}
+    assert sharegpt_map_fn(row) == one_turn("Hi", "Hello")
+
+
+def test_sharegpt_role_content_keys_and_messages_column():
+    row = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"}]}
+    assert sharegpt_map_fn(row) == one_turn("Hi", "Hello", "Be kind.")
+
+
+def test_sharegpt_full_conversation():
+    row = {"id": "abc", "conversations": [
+        {"from": "system", "value": "You are helpful."},
+        {"from": "human", "value": "What is 2+2?"},
+        {"from": "gpt", "value": "4."},
+        {"from": "human", "value": "And 3+3?"},
+        {"from": "gpt", "value": "6."},
+    ]}
+    assert sharegpt_map_fn(row) == {"conversation": [
+        {"system": "You are helpful.", "input": "What is 2+2?", "output": "4."},
+        {"input": "And 3+3?", "output": "6."},
+    ]}
+
+
+def test_sharegpt_merges_consecutive_same_role_messages():
+    row = {"conversations": [
+        {"from": "human", "value": "Part one."}, {"from": "human", "value": "Part two."},
+        {"from": "gpt", "value": "Answer A."}, {"from": "chatgpt", "value": "Answer B."},
+        {"from": "human", "value": "Next?"}, {"from": "gpt", "value": "Done."},
+    ]}
+    assert sharegpt_map_fn(row) == {"conversation": [
+        {"input": "Part one.\n\nPart two.", "output": "Answer A.\n\nAnswer B."},
+        {"input": "Next?", "output": "Done."},
+    ]}
+
+
+def test_sharegpt_drops_leading_assistant_and_trailing_user():
+    row = {"conversations": [
+        {"from": "system", "value": "S"}, {"from": "gpt", "value": "Welcome!"},
+        {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}, {"from": "human", "value": "Unanswered"},
+    ]}
+    assert sharegpt_map_fn(row) == one_turn("Q", "A", "S")
+    assert sharegpt_map_fn({"conversations": [{"from": "gpt", "value": "x"}]}) == {"conversation": []}
+    assert sharegpt_map_fn({"conversations": []}) == {"conversation": []}
+
+
+def test_sharegpt_unknown_role_names_role_and_position():
+    row = {"conversations": [{"from": "human", "value": "Q"}, {"from": "narrator", "value": "?"}]}
+    with pytest.raises(MapFnError, match=r"conversations\[1\] has unknown role 'narrator'"):
+        sharegpt_map_fn(row)
+    with pytest.raises(MapFnError, match=r"conversations\[0\] has unknown role None"):
+        sharegpt_map_fn({"conversations": [{"value": "Q"}]})
+
+
+def test_sharegpt_late_system_message_is_an_error():
+    row = {"conversations": [{"from": "human", "value": "Q"}, {"from": "system", "value": "S"}]}
+    with pytest.raises(MapFnError, match=r"conversations\[1\] is a system message after the conversation started"):
+        sharegpt_map_fn(row)
+
+
+def test_sharegpt_bad_rows():
+    with pytest.raises(MapFnError, match="no 'conversations'"):
+        sharegpt_map_fn({"text": "hello"})
+    with pytest.raises(MapFnError, match=r"conversations\[0\].*'value' must be a string"):
+        sharegpt_map_fn({"conversations": [{"from": "human", "value": 5}]})
+
+
+# --- template_map_fn ----------------------------------------------------------------------------
+
+def test_template_map_fn_does_not_mutate_its_input():
+    row = {"conversation": [{"system": "S", "input": "Q", "output": "A", "output_with_loss": False},
+                            {"input": "Q2", "output": "A2"}]}
+    before = copy.deepcopy(row)
+    out = template_map_fn_factory("qwen_chat")(row)
+    assert row == before
+    assert out["conversation"][0] == {
+        "system": "S", "input": "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+                                "<|im_start|>assistant\n",
+        "output": "A<|im_end|>", "output_with_loss": False, "need_eos_token": False, "sep": "\n"}
+
+
+def test_template_map_fn_round_and_null_input():
+    row = {"conversation": [{"input": None, "output": "A"}, {"input": "Q2", "output": "B"}]}
+    turns = template_map_fn_factory("chatglm2")(row)["conversation"]
+    assert [t["input"] for t in turns] == ["[Round 1]\n\n问：\n\n答：", "[Round 2]\n\n问：Q2\n\n答："]
+
+
+def test_template_map_fn_prompt_turn_keeps_no_output():
+    turns = template_map_fn_factory("llama3_chat")({"conversation": [{"input": "Q"}]})["conversation"]
+    assert turns == [{"input": "<|start_header_id|>user<|end_header_id|>\n\nQ<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                      "need_eos_token": False, "sep": ""}]
+
+
+def test_template_map_fn_with_hf_chat_template_leaves_rows_unchanged():
+    row = {"conversation": [{"system": "S", "input": "Q", "output": "A"}]}
+    assert template_map_fn_factory(PROMPT_TEMPLATE.hf_chat_template)(row) == row
+    assert template_map_fn_factory("hf_chat_template")(row) == row
+
+
+def test_template_map_fn_factory_accepts_name_or_dict_and_is_picklable():
+    by_name = template_map_fn_factory("phi3_chat")
+    by_dict = template_map_fn_factory(PROMPT_TEMPLATE.phi3_chat)
+    row = {"conversation": [{"input": "Q", "output": "A"}]}
+    assert by_name(row) == by_dict(row)
+    assert pickle.loads(pickle.dumps(by_name))(row) == by_name(row)
+    with pytest.raises(ValueError, match="valid names"):
+        template_map_fn_factory("phi_3")
+
+
+def test_template_map_fn_factory_has_a_stable_datasets_fingerprint():
+    from datasets.fingerprint import Hasher
+    assert Hasher.hash(template_map_fn_factory("qwen_chat")) == Hasher.hash(template_map_fn_factory("qwen_chat"))
+    assert Hasher.hash(template_map_fn_factory("qwen_chat")) != Hasher.hash(template_map_fn_factory("llama3_chat"))
+
+
+def test_map_fns_chain_through_datasets_map():
+    from datasets import Dataset
+    rows = [{"instruction": "Add.", "input": "1 2", "output": "3"},
+            {"instruction": "Sub.", "input": "", "output": "<nooutput>"}]
+    ds = Dataset.from_list(rows).map(alpaca_map_fn, remove_columns=["instruction", "input", "output"])
+    ds = ds.filter(lambda r: len(r["conversation"]) > 0)
+    ds = ds.map(template_map_fn_factory("default"))
+    assert ds[0]["conversation"] == [{"input": "<|User|>:Add.\n1 2\n<|Bot|>:", "output": "3",
+                                      "need_eos_token": True, "sep": "\n"}]
+
+
+def test_built_from_config_dicts():
+    from sfttool.registry import resolve_type
+    assert resolve_type("sharegpt_map_fn") is sharegpt_map_fn
+    assert resolve_type("sfttool.dataset.map_fns.alpaca_map_fn") is alpaca_map_fn
+    # XTuner configs: template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.x)
+    for type_ in (template_map_fn_factory, "template_map_fn_factory",
+                  "sfttool.dataset.map_fns.template_map_fn.template_map_fn_factory"):
+        fn = build(dict(type=type_, template=PROMPT_TEMPLATE.qwen_chat))
+        assert fn({"conversation": [{"input": "Q", "output": "A"}]})["conversation"][0]["output"] == "A<|im_end|>"
+
+
+def test_sharegpt_mixed_key_spellings_with_nulls():
+    # A dataset built from files using both spellings has the other key present but null.
+    row = {"conversations": [{"from": "human", "value": "Q", "role": None, "content": None},
+                             {"from": None, "value": None, "role": "assistant", "content": "A"}]}
+    assert sharegpt_map_fn(row) == one_turn("Q", "A")
