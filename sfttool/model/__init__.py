@@ -1,0 +1,9 @@
+"""The model stage: build the HF LLM (+ quantization, + LoRA) and wrap it for training.
+
+    from sfttool.model import SupervisedFinetune
+"""
+from sfttool.model.build import build_llm, to_torch_dtype
+from sfttool.model.lora import find_linear_names
+from sfttool.model.sft import SupervisedFinetune
+
+__all__ = ["SupervisedFinetune", "build_llm", "find_linear_names", "to_torch_dtype"]

@@ -1,0 +1,82 @@
+"""Next-token cross-entropy for packed rows (contract 5).
+
+A row may hold several samples; ``position_ids`` restart at 0 at each sample
+start. Targets are shifted *inside* each sample: the last token of a sample
+never predicts the first token of the next one. Padding (collate contract 4)
+is its own pseudo-sample with labels -100, so it never counts.
+
+Two reductions:
+- ``'token'``: every trained token weighs the same (the default; the mean over
+  all trained tokens of the global batch once the train loop injects the
+  normaliser).
+- ``'sample'``: each sample's loss is its token mean; samples weigh the same.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+REDUCTIONS = ("token", "sample")
+
+
+def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """One sample per row: ``[[0, 1, ..., L-1], ...]``."""
+    length = input_ids.shape[1]
+    return torch.arange(length, device=input_ids.device).expand_as(input_ids)
+
+
+def shift_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets that never cross a sample boundary.
+
+    >>> shift_targets(torch.tensor([[-100, 5, 6, -100, 8]]), torch.tensor([[0, 1, 2, 0, 1]]))
+    tensor([[   5,    6, -100,    8, -100]])
+
+    Position t predicts labels[t+1] unless t+1 starts a new sample (position 0)
+    or t is the last position. Shapes: [batch, seq] in and out.
+    """
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    next_is_start = position_ids[:, 1:] == 0
+    targets[:, :-1] = labels[:, 1:].masked_fill(next_is_start, IGNORE_INDEX)
+    return targets
+
+
+def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """A batch-wide id for the sample each token belongs to.
+
+    >>> sample_ids(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 0]]))
+    tensor([[0, 0, 1, 1],
+            [2, 2, 2, 3]])
+    """
+    starts = position_ids == 0
+    starts[:, 0] = True  # a row always begins a sample, whatever its positions say
+    return starts.flatten().cumsum(0).view_as(position_ids) - 1
+
+
+def count_loss_units(labels: torch.Tensor, position_ids: torch.Tensor | None, reduction: str = "token") -> int:
+    """What the local loss is divided by when no global normaliser is given:
+    trained tokens ('token') or samples with at least one trained token ('sample')."""
+    if position_ids is None:
+        position_ids = default_position_ids(labels)
+    targets = shift_targets(labels, position_ids)
+    trained = targets != IGNORE_INDEX
+    if reduction == "token":
+        return int(trained.sum())
+    return int(sample_ids(position_ids)[trained].unique().numel())
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, sample_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of per-token CE (``sample_of`` None) or of per-sample mean CE.
+
+    ``logits`` [n, vocab] and ``targets`` [n] hold only trained positions;
+    ``sample_of`` [n] names each position's sample. The float32 upcast happens
+    here, on the trained positions only, once.
+    """
+    token_loss = F.cross_entropy(logits.float(), targets, reduction="none")  # [n]
+    if sample_of is None:
+        return token_loss.sum()
+    _, dense = sample_of.unique(return_inverse=True)  # 0..S-1 for the S samples present
+    n_samples = int(dense.max()) + 1 if dense.numel() else 0
+    per_sample = token_loss.new_zeros(n_samples).index_add(0, dense, token_loss)
+    counts = token_loss.new_zeros(n_samples).index_add(0, dense, torch.ones_like(token_loss))
+    return (per_sample / counts).sum()

@@ -1,0 +1,201 @@
+"""``SupervisedFinetune``: the mmengine model wrapping a HF causal LM.
+
+Build order matters: load the LLM, grow its embeddings for the tokenizer,
+switch on activation checkpointing (before peft wraps it, so the base model's
+layers are the ones checkpointed), then add LoRA adapters.
+
+Forward never passes an attention mask and always ``use_cache=False``: with
+``position_ids`` restarting at 0 at every sample start, transformers 5 then
+keeps packed samples (and the padding pseudo-sample) from attending to each
+other on every backend. A padding mask or a KV cache would silently undo that.
+(Flash-attention reads the boundaries from one row only, so with it the batch
+runs as a single row.)
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from mmengine.model import BaseModel
+
+from sfttool import compat
+from sfttool.model import loss as L
+from sfttool.model.build import build_llm, resize_embeddings
+from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
+from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
+
+
+@BUILDER.register_module()
+class SupervisedFinetune(BaseModel):
+    """Supervised fine-tuning of a causal LM: full, LoRA or QLoRA.
+
+    Args:
+        llm: the HF model, or its config (see ``sfttool.model.build``).
+        lora: a peft ``LoraConfig`` or its config; None for full fine-tuning.
+        peft_model: adapter weights to start from (a peft adapter folder or a
+            checkpoint file of this model).
+        use_activation_checkpointing: recompute activations in backward.
+        use_varlen_attn: use flash-attention 2 varlen kernels when available.
+        tokenizer: tokenizer or its config; embeddings grow to fit it.
+        max_position_embeddings: stretch the context with linear RoPE scaling.
+        loss_reduction: 'token' (mean over trained tokens) or 'sample' (mean of
+            per-sample means).
+    """
+
+    # sfttool.registry.build hands `llm` over as a config: build_llm fixes
+    # dtype strings and quantization settings before loading.
+    build_args_lazily = ("llm",)
+
+    def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
+                 use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
+                 loss_reduction="token", data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        if loss_reduction not in L.REDUCTIONS:
+            raise ConfigBuildError(f"model.loss_reduction must be one of {L.REDUCTIONS}, got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
+        self.use_varlen_attn = use_varlen_attn
+        llm = build_llm(llm, use_varlen_attn, max_position_embeddings)
+        if tokenizer is not None:
+            resize_embeddings(llm, build_if_config(tokenizer, "model.tokenizer"))
+        llm.config.use_cache = False
+        compat.disable_bnb_cpu_weight_repacking(llm)
+        self.lora = build_lora_config(lora) if lora is not None else None
+        self.use_lora = self.lora is not None
+        self.llm = llm
+        # Flash-attention derives varlen boundaries from position_ids only for a
+        # single row (transformers 5): give it the batch as one row.
+        self.flatten_batch = "flash" in str(getattr(llm.config, "_attn_implementation", ""))
+        if use_activation_checkpointing:
+            self.gradient_checkpointing_enable()
+        if self.use_lora:
+            self.llm = apply_lora(llm, self.lora, use_activation_checkpointing)
+        if peft_model is not None:
+            self.load_peft_model(peft_model)
+        self._is_init = True
+
+    # -- set-up helpers ---------------------------------------------------
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Non-reentrant checkpointing; input grads on so frozen embeddings
+        (LoRA) still let gradients reach the checkpointed layers."""
+        llm = self.llm
+        if hasattr(llm, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            llm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        llm.enable_input_require_grads()
+
+    def gradient_checkpointing_disable(self) -> None:
+        llm = self.llm
+        if hasattr(llm, "activation_checkpointing_disable"):
+            llm.activation_checkpointing_disable()
+        else:
+            llm.gradient_checkpointing_disable()
+
+    def load_peft_model(self, path: str | os.PathLike) -> None:
+        if not self.use_lora:
+            raise ConfigBuildError("model.peft_model is set but model.lora is None: adapters need a LoRA config")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model.peft_model: {path} does not exist "
+                                    "(expected a peft adapter folder or a checkpoint of this model)")
+        if os.path.isdir(path):
+            load_adapter_folder(self.llm, path)
+            return
+        # A checkpoint written by the runner: mmengine pickles its own objects beside the weights.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        state = ckpt.get("state_dict", ckpt)
+        missing = set(self.state_dict()) - set(state)
+        if missing:
+            raise ConfigBuildError(f"model.peft_model: {path} lacks adapter weights such as {sorted(missing)[:3]}")
+        self.load_state_dict(state, strict=False)
+
+    def init_weights(self) -> None:
+        """No-op: the weights come from the pretrained checkpoint. (mmengine's
+        default initialisers would also touch bnb's uint8 4-bit weights and fail.)"""
+
+    # -- forward ----------------------------------------------------------
+
+    def forward(self, data: dict, data_samples: Any = None, mode: str = "loss"):
+        if mode == "loss":
+            return self.compute_loss(data)
+        if mode == "predict":
+            return [{"logits": logits} for logits in self._logits(data)]
+        if mode == "tensor":
+            return self._logits(data)
+        raise NotImplementedError(f"mode must be 'loss', 'predict' or 'tensor', got {mode!r}")
+
+    def _run_llm(self, data: dict, logits_to_keep: Any = 0) -> torch.Tensor:
+        input_ids = data["input_ids"]  # [batch, seq]
+        position_ids = data.get("position_ids")
+        if position_ids is None:
+            position_ids = L.default_position_ids(input_ids)
+        batch, seq = input_ids.shape
+        flat = self.flatten_batch and batch > 1
+        if flat:  # rows start at position 0, so one long row keeps them apart
+            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
+            if isinstance(logits_to_keep, torch.Tensor):
+                logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
+        use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(self.llm)
+        kwargs = {"logits_to_keep": logits_to_keep} if use_keep else {}
+        logits = self.llm(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                          use_cache=False, **kwargs).logits
+        if flat and logits.dim() == 3:
+            logits = logits.view(batch, seq, -1)
+        return logits
+
+    def _logits(self, data: dict) -> torch.Tensor:
+        return self._run_llm(data)  # [batch, seq, vocab]
+
+    def count_loss_units(self, data: dict) -> int:
+        """Local count the loss is divided by when no ``loss_normalizer`` is given.
+
+        Takes the collated batch, or the dataloader's ``{'data': batch, ...}``.
+        """
+        if "labels" not in data and isinstance(data.get("data"), dict):
+            data = data["data"]
+        return L.count_loss_units(data["labels"], data.get("position_ids"), self.loss_reduction)
+
+    def compute_loss(self, data: dict) -> dict:
+        labels = data["labels"]
+        position_ids = data.get("position_ids")
+        if position_ids is None:
+            position_ids = L.default_position_ids(labels)
+        targets = L.shift_targets(labels, position_ids)  # [batch, seq]
+        keep = targets != L.IGNORE_INDEX  # [batch, seq] positions that predict a trained token
+        logits = self._run_llm(data, logits_to_keep=keep)
+        if logits.dim() == 3:  # the model ignored logits_to_keep: select here
+            logits = logits[keep]
+        sample_of = L.sample_ids(position_ids)[keep] if self.loss_reduction == "sample" else None
+        total = L.summed_loss(logits, targets[keep], sample_of)  # [n, vocab] -> scalar
+        normalizer = data.get("loss_normalizer")
+        if normalizer is None:
+            normalizer = self.count_loss_units(data)
+        return {"loss": total / max(float(normalizer), 1e-12)}
+
+    # -- checkpoints ------------------------------------------------------
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Full fine-tune: the LLM's weights. LoRA: only the trainable
+        (adapter) weights, under the keys ``load_state_dict`` expects back."""
+        state = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+        if self.use_lora:
+            trained = {prefix + name for name, p in self.named_parameters() if p.requires_grad}
+            state = OrderedDict((k, v) for k, v in state.items() if k in trained)
+        if destination is not None:
+            destination.update(state)
+            return destination
+        return state
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, int) and value == 0
+
+
+def _accepts_logits_to_keep(llm: Any) -> bool:
+    """Whether the causal LM can project only selected positions onto the
+    vocabulary (transformers 5 models take a boolean ``logits_to_keep`` mask)."""
+    base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
