@@ -76,7 +76,10 @@ def build(cfg: Any, key: str = "cfg", **default_args: Any) -> Any:
         for name, value in default_args.items():
             args.setdefault(name, value)
         fn = resolve_type(cfg["type"], f"{key}.type")
-        args = {k: build(v, f"{key}.{k}") for k, v in args.items()}
+        # A component may take some config arguments unbuilt, to normalise them
+        # first (e.g. SupervisedFinetune's `llm`: dtype strings, quantization).
+        unbuilt = getattr(fn, "build_args_lazily", ())
+        args = {k: (v if k in unbuilt else build(v, f"{key}.{k}")) for k, v in args.items()}
         try:
             return fn(**args)
         except ConfigBuildError:

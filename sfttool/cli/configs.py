@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from sfttool.cli.errors import user_errors
+from sfttool.config.bases import relative_bases
 from sfttool.config.loader import (ConfigError, builtin_config_dir, find_config,
                                    list_configs, list_deepspeed_presets)
 
@@ -27,21 +28,38 @@ def list_cfg(pattern: str | None) -> None:
         click.echo(f"(nothing matches {pattern!r})")
 
 
+def _check_free(pairs: list[tuple[Path, Path]], force: bool) -> None:
+    """Refuse to overwrite a file the user may have edited (identical files are fine)."""
+    for src, dst in pairs:
+        if dst.exists() and not force and dst.read_bytes() != src.read_bytes():
+            raise ConfigError(f"{dst} already exists and differs from {src.name}; "
+                              "pass --force to overwrite it, or copy into another folder")
+
+
 @click.command("copy-cfg")
 @click.argument("name")
 @click.argument("save_dir", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Overwrite files that already exist in SAVE_DIR.")
 @user_errors
-def copy_cfg(name: str, save_dir: str) -> None:
+def copy_cfg(name: str, save_dir: str, force: bool) -> None:
     """Copy built-in config NAME to SAVE_DIR/NAME_copy.py, with the `_base_`
     files it imports, so the copy runs from any directory."""
-    src = find_config(name)
-    if src.parent != builtin_config_dir():
+    # Built-ins only, even when a file of that name sits in the current folder.
+    stem = name[:-3] if name.endswith(".py") else name
+    src = builtin_config_dir() / f"{stem}.py"
+    if Path(stem).name != stem or stem.startswith("_") or not src.is_file():
+        find_config(name)  # raises with close matches unless NAME is some other file
         raise ConfigError(f"{name}: not a built-in config (see `sfttool list-cfg`)")
     dst_dir = Path(save_dir)
-    dst_dir.mkdir(parents=True, exist_ok=True)
     dst = dst_dir / f"{src.stem}_copy.py"
-    shutil.copyfile(src, dst)
-    if "_base_" in src.read_text():
-        shutil.copytree(builtin_config_dir() / "_base_", dst_dir / "_base_",
-                        dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    click.echo(f"Copied {src} to {dst}")
+    bases = relative_bases(src)
+    if any(rel.is_absolute() for rel in bases):
+        raise ConfigError(f"{src}: imports a base outside its folder; copy it by hand")
+    pairs = [(src.parent / rel, dst_dir / rel) for rel in bases] + [(src, dst)]
+    _check_free(pairs, force)
+    for file_src, file_dst in pairs:
+        file_dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file_src, file_dst)
+    click.echo(f"Copied {src.name} to {dst}")
+    for rel in bases:
+        click.echo(f"  with its base {dst_dir / rel}")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable
 
 from sfttool import compat
+from sfttool.config.bases import find_syntax_error
 
 
 class ConfigError(Exception):
@@ -81,15 +82,19 @@ def load_config(name_or_path: str | Path, cfg_options: dict | Iterable[str] | No
     names) are re-raised as ``ConfigError`` naming the file and line.
     """
     from mmengine.config import Config
+    from mmengine.config.utils import ConfigParsingError
 
     compat.apply_all()
     path = find_config(name_or_path)
     try:
         cfg = Config.fromfile(str(path))
     except SyntaxError as exc:
-        where = f"{exc.filename or path}:{exc.lineno}"
+        # mmengine parses without a file name ('<unknown>'): find the real file.
+        exc = find_syntax_error(path) or exc
+        where = f"{exc.filename if exc.filename and exc.filename[0] != '<' else path}:{exc.lineno}"
         raise ConfigError(f"{where}: syntax error in config: {exc.msg}") from None
-    except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError) as exc:
+    except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError,
+            ConfigParsingError) as exc:
         raise ConfigError(f"{path}: the config failed to load: {type(exc).__name__}: {exc}") from None
     if cfg_options:
         if not isinstance(cfg_options, dict):

@@ -23,6 +23,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 def validate_config(cfg: Any, path: str = "config") -> list[str]:
     """Return a list of ``'<file>: <key>: <problem>; fix: ...'`` messages (empty when valid)."""
     errors = []
+    # An mmengine ``Config`` is not a dict; its ConfigDict is.
+    cfg = getattr(cfg, "_cfg_dict", cfg)
     for key, example in REQUIRED_KEYS.items():
         if _get(cfg, key) is None:
             errors.append(f"{path}: missing `{key}`; add {example}")

@@ -1,0 +1,259 @@
+"""Every shipped config loads, every `type=` in it resolves, and the set of
+configs covers the families, methods and datasets the docs promise."""
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from mmengine.config.lazy import LazyAttr, LazyObject
+
+from sfttool.config import builtin_config_dir, list_configs, load_config, validate_config
+from sfttool.registry import build, resolve_type
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# Shared parts live in folders starting with '_' (_base_/, data folders).
+SHIPPED = sorted(p for p in CONFIG_DIR.rglob("*.py")
+                 if p.name != "__init__.py" and not any(part.startswith("_") for part in
+                                                        p.relative_to(CONFIG_DIR).parts[:-1]))
+NAME_RE = re.compile(r"^(?P<model>[a-z0-9_]+?)_(?P<method>full|lora|qlora)_"
+                     r"(?P<data>alpaca|oasst1|custom_json)_e(?P<epochs>\d+)$")
+# Model-family configs (the table in docs/configs.md) and the other configs shipped.
+FAMILY_COUNT = 28
+OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3"}
+FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
+    "qwen2_5_0_5b_instruct": ("qwen_chat", False),
+    "qwen2_5_1_5b_instruct": ("qwen_chat", False),
+    "qwen2_5_7b_instruct": ("qwen_chat", False),
+    "qwen3_8b": ("qwen3_chat", False),
+    "llama3_1_8b_instruct": ("llama3_chat", False),
+    "internlm2_5_7b_chat": ("internlm2_chat", True),
+    "mistral_7b_instruct_v0_3": ("mistral_v3", False),
+    "gemma2_9b_it": ("gemma2", False),
+    "phi3_mini_4k_instruct": ("phi3_chat", False),
+}
+
+
+def _materialise(value):
+    """A lazily imported name in a config -> the object it names."""
+    return value.build() if isinstance(value, (LazyObject, LazyAttr)) else value
+
+
+def _walk_types(node, key="cfg"):
+    """Yield (key path, type) for every typed dict in a loaded config."""
+    node = _materialise(node)
+    if isinstance(node, dict):
+        if "type" in node:
+            yield f"{key}.type", _materialise(node["type"])
+        for k, v in node.items():
+            if k != "type":
+                yield from _walk_types(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _walk_types(v, f"{key}[{i}]")
+
+
+def _parts(name):
+    return NAME_RE.match(name).groupdict()
+
+
+FAMILY_CONFIGS = [p for p in SHIPPED if NAME_RE.match(p.stem) and _parts(p.stem)["model"] in FAMILIES]
+
+
+def test_config_count_is_pinned():
+    # Adding or removing a config is deliberate: update the counts and docs/configs.md.
+    assert len(FAMILY_CONFIGS) == FAMILY_COUNT
+    others = {p.stem for p in SHIPPED} - {p.stem for p in FAMILY_CONFIGS}
+    assert others <= OTHER_CONFIGS, f"unexpected configs {others - OTHER_CONFIGS}: add them to the docs and here"
+    # Flat: what list-cfg shows (and copy-cfg copies) is every shipped config.
+    assert list_configs() == sorted(p.stem for p in SHIPPED)
+    assert builtin_config_dir().resolve() == CONFIG_DIR
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_config_loads_and_every_type_resolves(path):
+    cfg = load_config(path.stem)
+    types = dict(_walk_types(dict(cfg.items())))
+    assert len(types) >= 10, types  # model, llm, tokenizer, dataset, hooks, schedulers ...
+    for key, type_ in types.items():
+        assert callable(resolve_type(type_, key)), key
+    assert validate_config(cfg, str(path)) == []
+
+
+@pytest.mark.parametrize("path", FAMILY_CONFIGS, ids=lambda p: p.stem)
+def test_config_matches_its_name(path):
+    parts = _parts(path.stem)
+    template, remote = FAMILIES[parts["model"]]
+    cfg = load_config(path.stem)
+    llm = cfg.model.llm
+    assert cfg.max_epochs == int(parts["epochs"])
+    assert cfg.train_cfg.max_epochs == cfg.max_epochs
+    assert ("quantization_config" in llm) == (parts["method"] == "qlora")
+    assert (cfg.model.get("lora") is not None) == (parts["method"] in ("lora", "qlora"))
+    assert llm.trust_remote_code is remote and cfg.tokenizer.trust_remote_code is remote
+    assert llm.pretrained_model_name_or_path == cfg.tokenizer.pretrained_model_name_or_path
+    from sfttool.utils import PROMPT_TEMPLATE
+    assert cfg.prompt_template == PROMPT_TEMPLATE[template]
+    # The hook renders prompts with the same template and tokenizer as training.
+    chat_hook = next(h for h in cfg.custom_hooks if _materialise(h["type"]).__name__ == "EvaluateChatHook")
+    assert chat_hook["prompt_template"] == cfg.prompt_template
+    assert chat_hook["tokenizer"] == cfg.tokenizer == cfg.train_dataset.tokenizer
+
+
+@pytest.mark.parametrize("path", FAMILY_CONFIGS, ids=lambda p: p.stem)
+def test_config_reads_top_to_bottom_in_five_parts(path):
+    text = path.read_text()
+    positions = [text.find(f"PART {i} ") for i in range(1, 6)]
+    assert -1 not in positions and positions == sorted(positions), positions
+    assert text.startswith('"""')  # a docstring saying what it trains and how to run it
+    assert f"sfttool copy-cfg {path.stem} ." in text
+
+
+def test_families_methods_and_custom_json_are_covered():
+    names = [p.stem for p in FAMILY_CONFIGS]
+    have = {(_parts(n)["model"], _parts(n)["method"], _parts(n)["data"]) for n in names}
+    for model in FAMILIES:
+        if model in ("qwen2_5_0_5b_instruct", "qwen2_5_1_5b_instruct"):
+            assert (model, "full", "alpaca") in have
+            continue
+        assert (model, "qlora", "alpaca") in have and (model, "lora", "alpaca") in have, model
+    # One custom_json config per template family.
+    custom_templates = {FAMILIES[m][0] for m, _, d in have if d == "custom_json"}
+    assert custom_templates == {t for t, _ in FAMILIES.values()}
+
+
+@pytest.mark.parametrize("name", [p.stem for p in FAMILY_CONFIGS if _parts(p.stem)["data"] == "custom_json"])
+def test_custom_json_configs_read_a_local_file_in_the_standard_format(name):
+    cfg = load_config(name)
+    ds = cfg.train_dataset
+    assert ds.dataset_map_fn is None
+    assert ds.dataset.path == "json" and ds.dataset.data_files == cfg.data_files
+    assert cfg.data_files == ["/path/to/your/data.json"]
+
+
+def test_cfg_options_point_a_custom_json_config_at_a_real_file(tiny_sft_jsonl):
+    # The runner reads train_dataloader.dataset: that is the key to override
+    # (train_dataset is a separate copy once the config is loaded).
+    cfg = load_config("qwen2_5_0_5b_instruct_full_custom_json_e3",
+                      [f"train_dataloader.dataset.dataset.data_files=['{tiny_sft_jsonl}']"])
+    node = cfg.train_dataloader.dataset.dataset
+    rows = build(node, "train_dataloader.dataset.dataset")
+    assert rows["train"].column_names == ["conversation"] and len(rows["train"]) == 64
+
+
+def test_shared_peft_parts_build_real_objects():
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    cfg = load_config("qwen2_5_7b_instruct_qlora_alpaca_e3", ["model.lora.r=8"])
+    lora = build(cfg.model.lora, "model.lora")
+    quant = build(cfg.model.llm.quantization_config, "model.llm.quantization_config")
+    assert isinstance(lora, LoraConfig) and (lora.r, lora.lora_alpha, lora.task_type) == (8, 16, "CAUSAL_LM")
+    assert isinstance(quant, BitsAndBytesConfig) and quant.load_in_4bit
+    assert quant.bnb_4bit_compute_dtype == torch.bfloat16 and quant.bnb_4bit_quant_type == "nf4"
+
+
+def test_optimizer_and_schedule_build_for_a_tiny_parameter():
+    import torch
+    cfg = load_config("llama3_1_8b_instruct_qlora_alpaca_e3")
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt = build(dict(cfg.optim_wrapper.optimizer, params=params), "optim_wrapper.optimizer")
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == cfg.lr == 2e-4
+    warmup, cosine = cfg.param_scheduler
+    assert warmup.end == pytest.approx(0.03 * 3) == cosine.begin and cosine.end == 3
+    assert cfg.default_hooks.checkpoint.interval == cfg.save_steps == 500
+    assert set(cfg.default_hooks) == {"timer", "logger", "param_scheduler", "sampler_seed", "checkpoint"}
+
+
+@pytest.mark.slow
+def test_non_editable_install_ships_the_configs(tmp_path):
+    """`pip install .` (no editable finder): list-cfg still sees the configs and a
+    config using an absolute `from sfttool.configs._base_...` import loads."""
+    import shutil
+    import subprocess
+
+    root = CONFIG_DIR.parent
+    src = tmp_path / "src"
+    # Build from a copy so the shared checkout gets no build/ or egg-info churn.
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "work_dirs", "tests", "benchmarks"))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(src)], check=True, capture_output=True)
+    assert (site / "sfttool" / "configs" / "_base_" / "runtime.py").is_file()
+    user_cfg = tmp_path / "mine.py"
+    user_cfg.write_text("from mmengine.config import read_base\n"
+                        "with read_base():\n    from sfttool.configs._base_.runtime import *\n"
+                        "max_epochs = 1\n")
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    code = ("import sfttool; from sfttool.cli.main import cli; "
+            f"assert sfttool.__file__.startswith({str(site)!r}), sfttool.__file__; cli()")
+    out = subprocess.run([sys.executable, "-c", code, "list-cfg", "-p", "QWEN"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    listed = [line for line in out.splitlines() if line and not line.startswith("=")]
+    assert listed == [n for n in list_configs() if "qwen" in n] and len(listed) >= 10
+    code = (f"from sfttool.config import load_config; print(load_config({str(user_cfg)!r}).log_level)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "INFO"
+
+
+def _point_at_tiny_assets(name, model_dir, data_file):
+    """Load a built-in config with every model/tokenizer path and the data
+    redirected to offline assets (a user would edit PART 1 of a copy instead)."""
+    cfg = load_config(name)
+    options = {"model.llm.pretrained_model_name_or_path": str(model_dir),
+               "model.llm.dtype": "float32",
+               "train_dataloader.dataset.tokenizer.pretrained_model_name_or_path": str(model_dir),
+               "train_dataloader.dataset.max_length": 256,
+               "train_dataloader.dataset.map_num_proc": 1,
+               "train_dataloader.dataset.dataset": dict(path="json", data_files=[str(data_file)])}
+    for i, hook in enumerate(cfg.custom_hooks):
+        if "tokenizer" in hook:
+            options[f"custom_hooks.{i}.tokenizer.pretrained_model_name_or_path"] = str(model_dir)
+    cfg.merge_from_dict(options)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_alpaca_jsonl(tmp_path_factory):
+    """Alpaca's raw columns: instruction, input (often empty), output."""
+    from sfttool import assets
+    rows = [dict(instruction=f"Name the colour number {i}.", input="" if i % 2 else "the sky",
+                 output=f"Colour {i} is blue.") for i in range(24)]
+    return assets.write_jsonl(tmp_path_factory.mktemp("alpaca") / "alpaca.jsonl", rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_5_0_5b_instruct_full_custom_json_e3",
+                                  "qwen2_5_7b_instruct_qlora_custom_json_e3",
+                                  "phi3_mini_4k_instruct_lora_alpaca_e3"])
+def test_builtin_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_dir, tiny_sft_jsonl,
+                                                                tiny_alpaca_jsonl):
+    """The shipped dicts fit the real sfttool components: dataset, collate, model, hooks."""
+    import torch
+    data = tiny_alpaca_jsonl if "alpaca" in name else tiny_sft_jsonl
+    cfg = _point_at_tiny_assets(name, tiny_qwen2_dir, data)
+    dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
+    assert len(dataset) > 0 and sum(sum(row["sample_lengths"]) for row in dataset) == \
+        sum(len(row["input_ids"]) for row in dataset)
+    # mmengine's runner binds the collate_fn arguments (functools.partial); so do we.
+    collate_cfg = dict(cfg.train_dataloader.collate_fn)
+    collate = functools.partial(_materialise(collate_cfg.pop("type")), **collate_cfg)
+    batch = collate([dataset[0], dataset[1]])
+    model = build(cfg.model, "model")
+    adapters = getattr(model.llm, "peft_config", {})
+    assert ("default" in adapters and adapters["default"].r == 64) == ("lora" in name)
+    if "qlora" in name:  # the base weights really are 4-bit
+        import bitsandbytes as bnb
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.llm.modules())
+    loss = model(**batch, mode="loss")["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() > 0
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trained)
+    hooks = [build(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.custom_hooks)]
+    assert [type(h).__name__ for h in hooks] == ["DatasetInfoHook", "EvaluateChatHook", "ThroughputHook"]

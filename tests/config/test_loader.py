@@ -1,0 +1,155 @@
+"""Finding and loading configs: names and paths, read_base inheritance,
+--cfg-options, and errors that name the file."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from sfttool.config import ConfigError, builtin_config_dir, find_config, load_config, validate_config
+from sfttool.config.loader import parse_cfg_options
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def family(tmp_path):
+    """A base and a child in pure-Python style, the way built-in configs are laid out."""
+    _write(tmp_path / "cfgs" / "_base_" / "common.py", """
+        from datetime import timedelta
+        lr = 1e-4
+        schedule = dict(type=timedelta, seconds=10)
+        hooks = dict(timer=dict(type=timedelta, minutes=1), log=dict(interval=10))
+        """)
+    return _write(tmp_path / "cfgs" / "child.py", """
+        from mmengine.config import read_base
+        with read_base():
+            from ._base_.common import *
+        lr = 2e-4                      # replaces the base value
+        hooks = dict(**hooks, ckpt=dict(interval=500))
+        model = dict(name='m', lr=lr)
+        """)
+
+
+def test_find_config_by_name_by_name_with_suffix_and_by_path(tmp_path):
+    name = "qwen2_5_7b_instruct_qlora_alpaca_e3"
+    expected = builtin_config_dir() / f"{name}.py"
+    assert find_config(name) == expected
+    assert find_config(f"{name}.py") == expected
+    local = _write(tmp_path / "mine.py", "x = 1\n")
+    assert find_config(str(local)) == local.resolve()
+
+
+def test_a_local_file_wins_over_a_builtin_of_the_same_name(tmp_path, monkeypatch):
+    name = "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
+    _write(tmp_path / name, "x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    assert find_config(name) == (tmp_path / name).resolve()
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(ConfigError) as info:
+        find_config("qwen2_5_7b_instruct_qlora_alpca_e3")
+    message = str(info.value)
+    assert message.startswith("qwen2_5_7b_instruct_qlora_alpca_e3: no such config")
+    assert "Close matches: qwen2_5_7b_instruct_qlora_alpaca_e3" in message
+
+
+def test_a_substring_of_names_lists_them_as_matches():
+    with pytest.raises(ConfigError, match="Close matches: .*gemma2_9b_it"):
+        find_config("gemma2")
+
+
+def test_non_python_file_is_refused(tmp_path):
+    bad = _write(tmp_path / "cfg.yaml", "a: 1\n")
+    with pytest.raises(ConfigError, match=r"cfg\.yaml: a config must be a Python file"):
+        find_config(str(bad))
+
+
+def test_inheritance_from_another_working_directory(family, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    cfg = load_config(str(family))
+    assert cfg.lr == 2e-4 and cfg.model.lr == 2e-4
+    assert set(cfg.hooks) == {"timer", "log", "ckpt"}
+    assert cfg.schedule.seconds == 10
+
+
+def test_cfg_options_override_nested_keys_lists_and_literals(family):
+    cfg = load_config(str(family), ["model.lr=0.5", "hooks.log.interval=1", "extra=[1,2]",
+                                    "model.name=other", "flag=True"])
+    assert cfg.model.lr == 0.5 and cfg.hooks.log.interval == 1
+    assert cfg.extra == [1, 2] and cfg.model.name == "other" and cfg.flag is True
+    assert cfg.lr == 2e-4  # only the named key changes
+
+
+def test_parse_cfg_options_rejects_an_item_without_equals():
+    assert parse_cfg_options(["a.b=1", "c=x"]) == {"a.b": 1, "c": "x"}
+    with pytest.raises(ConfigError, match="--cfg-options 'lr': expected KEY=VALUE"):
+        parse_cfg_options(["lr"])
+
+
+def test_syntax_error_names_the_file_and_line(tmp_path):
+    bad = _write(tmp_path / "bad.py", "model = dict(\nlr = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(bad))
+    assert str(bad) in str(info.value) and "syntax error" in str(info.value)
+
+
+def test_syntax_error_in_a_base_names_the_base(family):
+    base = family.parent / "_base_" / "common.py"
+    base.write_text("lr = (\n")
+    with pytest.raises(ConfigError, match=r"_base_/common\.py:\d+: syntax error"):
+        load_config(str(family))
+
+
+def test_undefined_name_names_the_file(tmp_path):
+    bad = _write(tmp_path / "undefined.py", "model = dict(lr=learning_rate)\n")
+    with pytest.raises(ConfigError, match=r"undefined\.py: the config failed to load: NameError"):
+        load_config(str(bad))
+
+
+def test_missing_base_file_names_the_config(tmp_path):
+    bad = _write(tmp_path / "orphan.py", """
+        from mmengine.config import read_base
+        with read_base():
+            from ._base_.nowhere import *
+        """)
+    with pytest.raises(ConfigError, match=r"orphan\.py: the config failed to load: .*nowhere\.py not found"):
+        load_config(str(bad))
+
+
+def test_missing_required_keys_are_all_reported_with_the_file(tmp_path):
+    path = _write(tmp_path / "partial.py", "train_cfg = dict(max_epochs=1)\n")
+    errors = validate_config(load_config(str(path)), str(path))
+    assert [e.split("`")[1] for e in errors] == ["model", "train_dataloader", "optim_wrapper"]
+    assert all(e.startswith(f"{path}: missing") for e in errors)
+
+
+def test_absolute_base_import_of_the_builtin_bases(tmp_path, monkeypatch):
+    """`from sfttool.configs._base_...` works in an editable checkout too (the
+    non-editable case is covered in test_builtin_configs)."""
+    _write(tmp_path / "mine.py", """
+        from mmengine.config import read_base
+        with read_base():
+            from sfttool.configs._base_.peft import *
+            from sfttool.configs._base_.runtime import *
+        model = dict(lora=lora_config)
+        """)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("mine.py", ["model.lora.r=4"])
+    assert cfg.model.lora.r == 4 and cfg.lora_config.r == 64
+    assert cfg.log_processor == dict(by_epoch=False)
+
+
+def test_absolute_import_of_a_missing_base_is_a_clear_error(tmp_path):
+    mine = _write(tmp_path / "mine.py", """
+        from mmengine.config import read_base
+        with read_base():
+            from sfttool.configs._base_.no_such_base import *
+        """)
+    with pytest.raises(ConfigError, match=r"mine\.py: the config failed to load: .*no_such_base\.py not found"):
+        load_config(str(mine))
