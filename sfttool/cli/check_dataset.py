@@ -1,11 +1,28 @@
-"""`sfttool check-custom-dataset`."""
+"""`sfttool check-custom-dataset CONFIG`."""
 from __future__ import annotations
 
+import sys
+
 import click
+
+from sfttool.cli.errors import register_user_error, user_errors
 
 
 @click.command("check-custom-dataset")
 @click.argument("config")
-def check_custom_dataset(config) -> None:
-    """Not available yet."""
-    raise click.ClickException("`sfttool check-custom-dataset` is not available yet in this build")
+@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@click.option("--max-errors", type=click.IntRange(min=1), default=10, show_default=True,
+              help="How many bad rows to list before summarising the rest.")
+@click.option("--color/--no-color", default=None,
+              help="Dim masked text instead of wrapping it in [MASKED:...] (default: when printing to a terminal).")
+@user_errors
+def check_custom_dataset(config, cfg_options, max_errors, color) -> None:
+    """Build CONFIG's training dataset stage by stage, validate every row,
+    show trained vs masked text and print statistics. Exits 1 on errors."""
+    from sfttool.dataset.errors import DatasetError
+    from sfttool.tools.check_dataset import check_dataset
+
+    register_user_error(DatasetError)
+    color = sys.stdout.isatty() if color is None else color
+    code = check_dataset(config, list(cfg_options), max_errors=max_errors, echo=click.echo, color=color)
+    sys.exit(code)

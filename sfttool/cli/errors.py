@@ -6,9 +6,10 @@ import functools
 import click
 
 from sfttool.config.loader import ConfigError
+from sfttool.dataset.errors import DatasetError  # bad data found by any command (train, check, process)
 from sfttool.registry import ConfigBuildError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ConfigBuildError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ConfigBuildError, FileNotFoundError, DatasetError)
 
 
 def register_user_error(exc_type: type[BaseException]) -> None:

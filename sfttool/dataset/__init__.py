@@ -1,0 +1,14 @@
+"""The data pipeline: load -> map fn -> template -> encode -> pack -> collate.
+
+``from sfttool.dataset import process_hf_dataset`` (XTuner's name and arguments).
+"""
+from sfttool.registry import BUILDER
+
+from .errors import DatasetError
+from .load import load_json_dataset
+from .mix import mix_datasets
+from .pipeline import process_hf_dataset
+
+BUILDER.register_module(name="process_hf_dataset", module=process_hf_dataset, force=True)
+
+__all__ = ["DatasetError", "load_json_dataset", "mix_datasets", "process_hf_dataset"]

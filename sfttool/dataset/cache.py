@@ -1,0 +1,165 @@
+"""Reuse a processed dataset when nothing that changes it has changed.
+
+The key is a hash of everything the output depends on: the data files'
+content, the dataset/tokenizer configs, the map fn's and template map fn's
+source, the template, the tokenizer itself (vocabulary, merges, special tokens,
+chat template), every pipeline argument (max_length, seed, pack strategy, ...)
+and the source of the pipeline modules. The processed dataset is written with
+``save_to_disk`` into a temporary folder that is renamed into place only when
+complete, so an interrupted run never leaves a half-written cache.
+
+    process_hf_dataset(..., cache_dir='~/.cache/sfttool/datasets')
+    # first run: processes and saves <cache_dir>/<key>/; later runs: loads it
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sfttool.registry import build_if_config
+
+CACHE_FORMAT = 1
+REPORT_FILE = "sfttool_report.json"
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's content (streamed)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe(obj: Any) -> Any:
+    """A JSON-able description of a config value that changes when its meaning does.
+
+    >>> describe({'type': 'json', 'n': 1})
+    {'n': 1, 'type': 'json'}
+    """
+    if isinstance(obj, dict):
+        return {str(k): describe(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [describe(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, functools.partial):
+        return {"partial": describe(obj.func), "args": describe(list(obj.args)),
+                "keywords": describe(dict(obj.keywords))}
+    if callable(obj):
+        return {"callable": f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}",
+                "source": _source_digest(obj)}
+    if hasattr(obj, "_fingerprint"):  # a built datasets.Dataset
+        return {"dataset_fingerprint": obj._fingerprint}
+    return repr(obj)
+
+
+def _source_digest(fn: Any) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """Hash of what decides token ids: the backend tokenizer (vocab, merges,
+    normalizer), special tokens and the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                        getattr(tokenizer, "chat_template", None), sorted(tokenizer.all_special_tokens)])
+    return hashlib.sha256((state + extra).encode()).hexdigest()
+
+
+def data_files_digest(dataset_cfg: Any) -> list:
+    """Content hashes of the local files a dataset config reads."""
+    from sfttool.dataset.load import data_file_list
+    if not isinstance(dataset_cfg, dict):
+        return []
+    files = data_file_list(dataset_cfg.get("data_files"))
+    path = dataset_cfg.get("path")
+    if isinstance(path, str) and Path(path).exists():
+        files.append(path)
+    out = []
+    for file in files:
+        p = Path(file)
+        if p.is_file():
+            out.append([str(p), file_digest(p)])
+        elif p.is_dir():
+            out += [[str(f), file_digest(f)] for f in sorted(p.rglob("*")) if f.is_file()]
+    return out
+
+
+def _pipeline_code_digest() -> str:
+    from sfttool.dataset import encode, pack, pipeline
+    text = "".join(inspect.getsource(m) for m in (encode, pack, pipeline))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_key(args: dict, tokenizer: Any) -> str:
+    """The cache folder name for one ``process_hf_dataset`` call."""
+    parts = {
+        "format": CACHE_FORMAT,
+        "code": _pipeline_code_digest(),
+        "args": describe({k: v for k, v in args.items() if k not in ("tokenizer", "map_num_proc")}),
+        "data_files": data_files_digest(args.get("dataset")),
+        "tokenizer": tokenizer_digest(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_pipeline(cache_dir: str | os.PathLike, args: dict):
+    """``process_hf_dataset`` with a disk cache under ``cache_dir``."""
+    from datasets import load_from_disk
+
+    from sfttool.dataset.pipeline import PipelineReport, log, log_report, run_pipeline
+    tokenizer = build_if_config(args["tokenizer"], "tokenizer")
+    args = {**args, "tokenizer": tokenizer}
+    target = Path(cache_dir).expanduser() / cache_key(args, tokenizer)
+    if (target / REPORT_FILE).exists():
+        log(f"Dataset: reusing the processed dataset cached at {target}")
+        return load_from_disk(str(target))
+    dataset, report = run_pipeline(**args)
+    log_report(report, args["max_length"])
+    save_atomically(dataset, target, _report_json(report, PipelineReport))
+    log(f"Dataset: cached at {target}")
+    return load_from_disk(str(target))
+
+
+def _report_json(report, cls) -> str:
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages",)}
+    fields["pack"] = dataclasses.asdict(report.pack) if report.pack is not None else None
+    fields["sample_lengths"] = len(fields["sample_lengths"])  # the count is enough
+    return json.dumps(fields, indent=1)
+
+
+def save_atomically(dataset, target: Path, report_json: str) -> None:
+    """Write to ``<target>.tmp-<id>`` then rename: readers see all or nothing.
+
+    If another process finished the same key first, its copy is kept.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        dataset.save_to_disk(str(tmp))
+        (tmp / REPORT_FILE).write_text(report_json, encoding="utf-8")  # written last: marks completeness
+        from sfttool.engine.safety import before_rename
+        before_rename(tmp, target)  # fsync before the rename; the kill -9 test pauses here
+        if target.exists() and not (target / REPORT_FILE).exists():
+            shutil.rmtree(target)  # not ours to trust: no completeness marker
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / REPORT_FILE).exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,8 @@
+"""Batch collation (XTuner's module path: ``sfttool.dataset.collate_fns``)."""
+from sfttool.registry import BUILDER
+
+from .default_collate_fn import cumulative_lengths, default_collate_fn
+
+BUILDER.register_module(name="default_collate_fn", module=default_collate_fn, force=True)
+
+__all__ = ["cumulative_lengths", "default_collate_fn"]

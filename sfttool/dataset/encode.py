@@ -1,0 +1,326 @@
+"""Encode standard conversation rows into ``input_ids`` and ``labels``.
+
+Two modes share one shape: a conversation becomes a list of *pieces*
+(text or BOS/EOS, each trained or masked); all texts of a batch are tokenized
+in one fast-tokenizer call; the pieces are then concatenated.
+
+* **Template mode** (XTuner 0.2's ``encode_fn``, token for token): the rows
+  were formatted by ``template_map_fn`` (``input`` holds system + instruction,
+  ``output`` holds answer + SUFFIX, plus ``need_eos_token`` and ``sep``).
+  Per turn: BOS when the previous turn ended with EOS (and before the first),
+  input (masked), output (trained unless ``output_with_loss=False``), EOS when
+  ``need_eos_token`` (labelled like the output), sep (masked).
+* **HF chat-template mode** (``PROMPT_TEMPLATE.hf_chat_template``): the
+  conversation is rendered with the tokenizer's own jinja ``chat_template``;
+  the mask comes from rendering prefixes: the text an assistant turn adds,
+  up to and including its first special (end-of-turn) token, is trained.
+
+Deliberate differences from XTuner 0.2:
+
+1. BOS is not doubled when the text after it already starts with the BOS
+   token (SmolLM2's BOS is ``<|im_start|>``, which ChatML turns begin with;
+   XTuner emits it twice). A tokenizer without a BOS token gets no BOS
+   (XTuner crashes with ``TypeError: 'NoneType' object is not iterable``).
+   No class-name sniffing: XTuner special-cases ``Qwen2TokenizerFast`` by
+   name (its BOS is None anyway) and ChatGLM's hard-coded prefix ids, which
+   we do not reproduce.
+2. Bad rows raise :class:`DatasetError` naming the row and field instead of a
+   ``KeyError``/``AssertionError``; an ``input`` of ``None`` counts as ``''``.
+3. Truncation and rows without trained tokens are counted (helper columns
+   ``num_tokens``/``num_trained``) so the pipeline can log them.
+4. Texts are tokenized in batches (same ids as XTuner's per-text ``encode``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from sfttool.dataset.errors import DatasetError, where
+from sfttool.utils.constants import IGNORE_INDEX
+from sfttool.utils.templates import is_hf_chat_template
+
+# A piece is (kind, text, trained); kind is 'text', 'bos' or 'eos'.
+Piece = tuple[str, str, bool]
+
+
+def bos_eos_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """``([bos] or [], [eos] or [])`` of ``tokenizer``."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if bos is not None else []), ([eos] if eos is not None else [])
+
+
+# ---------------------------------------------------------------------------
+# Validation of one standard row (shared by both modes).
+
+def _check_text(value: Any, field: str, row: int | None, source: str | None, allow_none: bool) -> str:
+    if value is None and allow_none:
+        return ""
+    if not isinstance(value, str):
+        kind = "missing" if value is None else f"a {type(value).__name__}"
+        raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; "
+                           "fix the data or the dataset_map_fn so every turn has string `input` and `output`")
+    return value
+
+
+def check_conversation(conversation: Any, row: int | None = None, source: str | None = None,
+                       need_output: bool = True) -> list[dict]:
+    """Validate a ``conversation`` list; return it. Raise DatasetError naming row and field."""
+    if not isinstance(conversation, list):
+        raise DatasetError(f"{where(row, source, 'conversation')}: expected a list of turns, "
+                           f"got {type(conversation).__name__}; set a dataset_map_fn that produces "
+                           "{'conversation': [{'input': ..., 'output': ...}]}")
+    for i, turn in enumerate(conversation):
+        field = f"conversation[{i}]"
+        if not isinstance(turn, dict):
+            raise DatasetError(f"{where(row, source, field)}: expected a dict with `input` and `output`, "
+                               f"got {type(turn).__name__}")
+        if "input" not in turn and "output" not in turn:
+            keys = ", ".join(sorted(turn)) or "none"
+            raise DatasetError(f"{where(row, source, field)}: no `input`/`output` (keys: {keys}); "
+                               "convert roles to the standard format with a dataset_map_fn")
+        _check_text(turn.get("input"), f"{field}.input", row, source, allow_none=True)
+        if need_output:
+            _check_text(turn.get("output"), f"{field}.output", row, source, allow_none=False)
+        if i > 0 and turn.get("system"):
+            raise DatasetError(f"{where(row, source, field + '.system')}: `system` is only allowed on the "
+                               "first turn; move it to conversation[0]")
+    return conversation
+
+
+def _flag(turn: dict, key: str) -> bool:
+    """A boolean turn field that defaults to True; None (Arrow's fill for a
+    field other rows have) also means "not set"."""
+    value = turn.get(key)
+    return True if value is None else bool(value)
+
+
+# ---------------------------------------------------------------------------
+# Template mode: XTuner's encode_fn as a list of pieces.
+
+def template_pieces(conversation: list[dict], input_ids_with_output: bool = True,
+                    prompt_only_last: bool = False) -> list[Piece]:
+    """Pieces of a template-formatted conversation, XTuner 0.2 order.
+
+    >>> template_pieces([{'input': 'Q', 'output': 'A', 'need_eos_token': True, 'sep': '\\n'}])
+    [('bos', '', False), ('text', 'Q', False), ('text', 'A', True), ('eos', '', True), ('text', '\\n', False)]
+
+    ``prompt_only_last`` stops after the last turn's input (a prompt to continue).
+    """
+    pieces: list[Piece] = []
+    next_needs_bos = True
+    last = len(conversation) - 1
+    for i, turn in enumerate(conversation):
+        if next_needs_bos:
+            pieces.append(("bos", "", False))
+        pieces.append(("text", turn.get("input") or "", False))
+        if not input_ids_with_output or (prompt_only_last and i == last):
+            continue
+        trained = _flag(turn, "output_with_loss")
+        pieces.append(("text", turn["output"], trained))
+        next_needs_bos = _flag(turn, "need_eos_token")
+        if next_needs_bos:
+            pieces.append(("eos", "", trained))
+        if turn.get("sep"):
+            pieces.append(("text", turn["sep"], False))
+    return pieces
+
+
+# ---------------------------------------------------------------------------
+# HF chat-template mode: render prefixes to find each answer's span.
+
+def to_messages(conversation: list[dict], with_last_output: bool = True) -> list[dict]:
+    """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``)."""
+    messages = []
+    for i, turn in enumerate(conversation):
+        if i == 0 and turn.get("system"):
+            messages.append({"role": "system", "content": turn["system"]})
+        messages.append({"role": "user", "content": turn.get("input") or ""})
+        if with_last_output or i < len(conversation) - 1:
+            messages.append({"role": "assistant", "content": turn["output"]})
+    return messages
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, row: int | None = None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja raises its own types (e.g. "System role not supported")
+        raise DatasetError(f"{where(row)}: the tokenizer's chat_template failed: {type(exc).__name__}: {exc}; "
+                           "fix the conversation (e.g. drop the system prompt) or use a built-in "
+                           "PROMPT_TEMPLATE") from None
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """Texts of the special tokens (EOS, end-of-turn markers, ...), longest first."""
+    texts = set(tokenizer.all_special_tokens)
+    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if added.special:
+            texts.add(added.content)
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _trained_end(text: str, start: int, end: int, content: str, specials: list[str]) -> int:
+    """End of the trained span of an assistant turn rendered in ``text[start:end]``:
+    through the first special token after the content, else the whole turn."""
+    anchor = text.find(content.strip(), start, end) if content.strip() else -1
+    search_from = anchor + len(content.strip()) if anchor >= 0 else start
+    hits = [(pos, -len(s)) for s in specials if (pos := text.find(s, search_from, end)) >= 0]
+    if not hits:
+        return end
+    pos, minus_length = min(hits)  # the earliest; at one position, the longest token
+    return pos - minus_length
+
+
+def chat_template_pieces(conversation: list[dict], tokenizer, prompt_only_last: bool = False,
+                         row: int | None = None, specials: list[str] | None = None) -> list[Piece]:
+    """Pieces of a conversation rendered by ``tokenizer.chat_template``.
+
+    ChatML, ``[{'input': 'Q', 'output': 'A'}]`` ->
+    ``[('text', '<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\n', False),
+    ('text', 'A<|im_end|>', True), ('text', '\\n', False)]``
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
+                           "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
+    specials = special_token_texts(tokenizer) if specials is None else specials
+    messages = to_messages(conversation, with_last_output=not prompt_only_last)
+    full = _render(tokenizer, messages, prompt_only_last, row)
+    pieces: list[Piece] = []
+    pos = 0
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _checked_prefix(tokenizer, messages[:k], True, full, row)
+        end = _checked_prefix(tokenizer, messages[:k + 1], False, full, row)
+        trained_end = _trained_end(full, start, end, message["content"], specials)
+        trained = _flag(conversation[_turn_of(messages, k)], "output_with_loss")
+        pieces += [("text", full[pos:start], False), ("text", full[start:trained_end], trained)]
+        pos = trained_end
+    pieces.append(("text", full[pos:], False))
+    return pieces
+
+
+def _checked_prefix(tokenizer, messages: list[dict], add_generation_prompt: bool, full: str,
+                    row: int | None) -> int:
+    prefix = _render(tokenizer, messages, add_generation_prompt, row)
+    if not full.startswith(prefix):
+        raise DatasetError(
+            f"{where(row)}: the tokenizer's chat_template renders earlier turns differently once later "
+            "turns are added (e.g. it strips reasoning from past answers), so answer spans cannot be "
+            "found by rendering prefixes; use a built-in PROMPT_TEMPLATE for this model")
+    return len(prefix)
+
+
+def _turn_of(messages: list[dict], k: int) -> int:
+    """Index of the standard turn that message ``k`` (an assistant message) belongs to."""
+    return sum(1 for m in messages[:k] if m["role"] == "assistant")
+
+
+# ---------------------------------------------------------------------------
+# Tokenize pieces (batched) and assemble ids + labels.
+
+def batch_token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """``tokenizer(texts, add_special_tokens=False)['input_ids']``, faster.
+
+    A fast tokenizer's Rust backend is called directly: it encodes the batch
+    on several threads and skips building offsets and Python encodings,
+    which cost about as much as the tokenization itself. Same ids.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    encode_fast = getattr(backend, "encode_batch_fast", None)
+    # A backend with stored truncation/padding (from tokenizer.json) would apply it here; transformers' call
+    # resets those per call, so use that path then.
+    if (encode_fast is None or backend.truncation is not None or backend.padding is not None
+            or getattr(tokenizer, "split_special_tokens", False)):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [e.ids for e in encode_fast(texts, add_special_tokens=False)]
+
+
+def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Tokenize every text piece of every row in one call; return (input_ids, labels) per row."""
+    bos, eos = bos_eos_ids(tokenizer)
+    texts = [text for pieces in rows for kind, text, _ in pieces if kind == "text" and text]
+    encoded = iter(batch_token_ids(tokenizer, texts) if texts else [])
+    out = []
+    for pieces in rows:
+        input_ids: list[int] = []
+        labels: list[int] = []
+        after_bos = False
+        for kind, text, trained in pieces:
+            if kind == "text":
+                ids = next(encoded) if text else []
+                if after_bos and ids[:1] == bos:  # the template already starts with BOS: keep one
+                    del input_ids[-1], labels[-1]
+            elif kind == "bos":
+                ids = bos
+            else:
+                ids = eos
+                if not eos:
+                    raise DatasetError("the tokenizer has no EOS token but the template needs one "
+                                       "(need_eos_token): set tokenizer.eos_token")
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            after_bos = kind == "bos" and bool(bos)
+        out.append((input_ids, labels))
+    return out
+
+
+def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
+                 input_ids_with_output: bool = True, hf_chat_template: bool = False,
+                 source: str | None = None) -> dict[str, list]:
+    """Batched ``datasets.map`` function: conversations -> ids, labels and counts.
+
+    >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
+    ...              [0], tok, 8)   # doctest: +SKIP
+    {'input_ids': [[bos, q, a, eos]], 'labels': [[-100, -100, a, eos]], 'length': [4],
+     'num_tokens': [4], 'num_trained': [2]}
+
+    ``num_tokens`` is the length before right truncation at ``max_length``
+    (``length``: after it), ``num_trained`` the tokens with a label.
+    """
+    specials = special_token_texts(tokenizer) if hf_chat_template else None
+    rows = []
+    for conversation, row in zip(batch["conversation"], indices):
+        check_conversation(conversation, row, source, need_output=input_ids_with_output)
+        if len(conversation) > 1 and not input_ids_with_output:
+            raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "
+                               "single-turn conversations")
+        if hf_chat_template:
+            rows.append(chat_template_pieces(conversation, tokenizer, row=row, specials=specials))
+        else:
+            rows.append(template_pieces(conversation, input_ids_with_output))
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": []}
+    for input_ids, labels in tokenize_pieces(rows, tokenizer):
+        out["num_tokens"].append(len(input_ids))
+        out["input_ids"].append(input_ids[:max_length])
+        out["labels"].append(labels[:max_length])
+        out["length"].append(min(len(input_ids), max_length))
+        kept = labels[:max_length]
+        out["num_trained"].append(len(kept) - kept.count(IGNORE_INDEX))
+    return out
+
+
+def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[int]:
+    """Ids a model continues from to answer the last turn of ``history``.
+
+    ``history`` is standard turns whose last has no ``output``; ``template`` is a
+    PROMPT_TEMPLATE entry, its name, ``hf_chat_template``, or None (raw text).
+    The ids equal the training encoding of the same turns up to the answer:
+
+    >>> encode_prompt([{'input': 'hi'}], tok, 'qwen_chat')   # doctest: +SKIP
+    ids of '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n'
+    """
+    if not history:
+        raise DatasetError("encode_prompt needs at least one turn")
+    history = [dict(turn) for turn in history]
+    history[-1].setdefault("output", "")
+    if isinstance(template, str):
+        from sfttool.utils.templates import get_template
+        template = get_template(template)
+    check_conversation(history)
+    if is_hf_chat_template(template):
+        pieces = chat_template_pieces(history, tokenizer, prompt_only_last=True)
+    else:
+        if template is not None:
+            from sfttool.dataset.map_fns import template_map_fn_factory
+            history = template_map_fn_factory(template)({"conversation": history})["conversation"]
+        pieces = template_pieces(history, prompt_only_last=True)
+    return tokenize_pieces([pieces], tokenizer)[0][0]

@@ -1,0 +1,24 @@
+"""The one exception type the data pipeline raises for bad data or settings.
+
+The message always says where (file, row, field) and how to fix it; the CLI
+prints it as a one-line ``Error: ...`` without a traceback.
+"""
+from __future__ import annotations
+
+
+class DatasetError(ValueError):
+    """Bad input data or dataset settings, described for the user."""
+
+
+def where(row: int | None = None, source: str | None = None, field: str | None = None) -> str:
+    """Format a location for an error message.
+
+    >>> where(3, 'data.jsonl', 'conversation[1].output')
+    "data.jsonl, row 3, field 'conversation[1].output'"
+    """
+    parts = [source] if source else []
+    if row is not None:
+        parts.append(f"row {row}")
+    if field:
+        parts.append(f"field {field!r}")
+    return ", ".join(parts) or "dataset"

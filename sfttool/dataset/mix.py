@@ -1,0 +1,58 @@
+"""Mix several processed datasets into one, with optional sampling ratios.
+
+    train_dataset = dict(type=mix_datasets,
+                         datasets=[dict(type=process_hf_dataset, ...),   # chat data
+                                   dict(type=process_hf_dataset, ...)],  # code data
+                         ratios=[1.0, 0.25], seed=0)
+
+A ratio is how many times each row of that dataset is used: 1.0 = every row
+once, 0.25 = a seeded random quarter, 2.5 = every row twice plus a random
+half. Each dataset is processed (and packed) on its own, then rows are
+concatenated, so packed rows never mix sources.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from sfttool.dataset.errors import DatasetError
+from sfttool.registry import BUILDER, build_if_config
+
+
+def sample_indices(n: int, ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """Row indices for using ``n`` rows ``ratio`` times.
+
+    >>> sample_indices(4, 1.5, np.random.default_rng(0)).size
+    6
+    """
+    whole, frac = int(ratio), ratio - int(ratio)
+    extra = rng.permutation(n)[:int(round(frac * n))]
+    return np.concatenate([np.tile(np.arange(n), whole), np.sort(extra)]).astype(np.int64)
+
+
+def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None, seed: int = 0,
+                 shuffle: bool = False):
+    """Concatenate ``datasets`` (built or configs), each sampled by its ratio."""
+    from datasets import concatenate_datasets
+    if not datasets:
+        raise DatasetError("mix_datasets needs at least one dataset")
+    ratios = [1.0] * len(datasets) if ratios is None else list(ratios)
+    if len(ratios) != len(datasets):
+        raise DatasetError(f"mix_datasets: {len(datasets)} datasets but {len(ratios)} ratios; give one per dataset")
+    if any(not isinstance(r, (int, float)) or r < 0 for r in ratios):
+        raise DatasetError(f"mix_datasets: ratios must be numbers >= 0, got {ratios}")
+    rng = np.random.default_rng(seed)
+    parts = []
+    for i, (dataset, ratio) in enumerate(zip(datasets, ratios)):
+        dataset = build_if_config(dataset, f"datasets[{i}]")
+        indices = sample_indices(len(dataset), float(ratio), rng)
+        if len(indices):
+            parts.append(dataset.select(indices))
+    if not parts:
+        raise DatasetError("mix_datasets: every ratio selected zero rows")
+    mixed = concatenate_datasets(parts)
+    return mixed.shuffle(seed=seed) if shuffle else mixed
+
+
+BUILDER.register_module(name="mix_datasets", module=mix_datasets, force=True)

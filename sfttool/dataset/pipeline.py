@@ -1,0 +1,419 @@
+"""``process_hf_dataset``: load -> map fn -> template -> encode -> pack.
+
+Each stage is one labelled ``datasets.map`` (or one Arrow step for packing),
+and every count that changes is logged with its reason::
+
+    train_dataset = dict(type=process_hf_dataset,
+                         dataset=dict(type=load_dataset, path='json', data_files='data.jsonl'),
+                         tokenizer=tokenizer, max_length=2048,
+                         dataset_map_fn=None,
+                         template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat),
+                         pack_to_max_length=True)
+
+Rows follow contract 3: ``input_ids``, ``labels``, ``position_ids``,
+``sample_lengths`` (plus ``length``, for length-grouped samplers).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from sfttool.dataset.errors import DatasetError
+from sfttool.registry import MAP_FUNC, build_if_config
+
+
+@dataclass
+class PipelineReport:
+    """What each stage did; ``stages`` keeps a dataset per stage when asked."""
+    rows_in: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    encoded: int = 0  # samples tokenized (before rows without trained tokens are dropped)
+    truncated: int = 0
+    tokens_before_truncation: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    sample_lengths: list[int] = field(default_factory=list)
+    pack: Any = None  # PackStats when packed
+    rows_out: int = 0
+    stages: dict[str, Any] = field(default_factory=dict)
+
+
+def log(message: str, level: int = logging.INFO) -> None:
+    from mmengine.logging import print_log
+    print_log(message, logger="current", level=level)
+
+
+# ---------------------------------------------------------------------------
+# Resolving arguments (objects or configs).
+
+def resolve_dataset(dataset: Any, split: str, validate: bool = True):
+    """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``)."""
+    from datasets import DatasetDict
+    if validate:
+        validate_json_source(dataset)
+    dataset = build_if_config(dataset, "dataset")
+    if isinstance(dataset, DatasetDict):
+        if split not in dataset:
+            raise DatasetError(f"dataset has no split {split!r} (it has {', '.join(dataset)}); set split=...")
+        dataset = dataset[split]
+    return dataset
+
+
+def validate_json_source(dataset_cfg: Any) -> None:
+    """For ``dict(type=load_dataset, path='json', data_files=...)`` on local files, check
+    every line first so a malformed one is reported by file and line, not by Arrow."""
+    from sfttool.dataset.load import check_json_file, data_file_list, is_local_json
+    if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
+        return
+    type_ = dataset_cfg["type"]
+    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
+    if name.rsplit(".", 1)[-1] != "load_dataset":
+        return
+    path, files = dataset_cfg.get("path"), dataset_cfg.get("data_files")
+    if is_local_json(path, files):
+        for file in data_file_list(files):
+            check_json_file(file)
+
+
+def resolve_map_fn(map_fn: Any) -> Callable | None:
+    """A map fn from a function, a registered name or a config dict."""
+    if map_fn is None or callable(map_fn):
+        return map_fn
+    if isinstance(map_fn, str):
+        import sfttool.dataset.map_fns  # noqa: F401  (registers the built-in map fns)
+        fn = MAP_FUNC.get(map_fn) if map_fn in MAP_FUNC else None
+        if fn is None:
+            import difflib
+            known = sorted(MAP_FUNC.module_dict)
+            close = difflib.get_close_matches(map_fn, known, n=3)
+            raise DatasetError(f"unknown dataset_map_fn {map_fn!r}; valid names: "
+                               f"{', '.join(close + [k for k in known if k not in close])}")
+        return fn
+    return build_if_config(map_fn, "dataset_map_fn")
+
+
+def template_of(template_map_fn: Any) -> Any:
+    """The template a template_map_fn (config dict or partial) was made from, or None."""
+    if isinstance(template_map_fn, dict):
+        template = template_map_fn.get("template")
+    else:
+        template = getattr(template_map_fn, "keywords", {}).get("template")
+    if isinstance(template, str):
+        from sfttool.utils.templates import get_template
+        template = _user_value_error(get_template, template)
+    return template
+
+
+def resolve_template_map_fn(template_map_fn: Any) -> Callable | None:
+    if template_map_fn is None or callable(template_map_fn):
+        return template_map_fn
+    return _user_value_error(build_if_config, template_map_fn, "template_map_fn")
+
+
+def _user_value_error(fn: Callable, *args: Any) -> Any:
+    """Turn a library's ValueError (e.g. an unknown template name) into a DatasetError."""
+    try:
+        return fn(*args)
+    except DatasetError:
+        raise
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+def default_num_proc(rows: int, map_num_proc: int | None) -> int:
+    """Processes for ``map``: as configured (XTuner configs say 32), but no more than the CPUs,
+    and one per 5000 rows at most (starting a process costs more than a small shard)."""
+    cpus = os.cpu_count() or 1
+    wanted = min(8, cpus) if map_num_proc is None else map_num_proc
+    return max(1, min(wanted, cpus, rows // 5000 or 1))
+
+
+class SafeMapFn:
+    """Wrap a dataset map fn so a failing row is reported with its index and the fn's name."""
+
+    def __init__(self, fn: Callable, source: str | None = None):
+        self.fn, self.source = fn, source
+        self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+
+    def __call__(self, row: dict, index: int) -> dict:
+        try:
+            return self.fn(row)
+        except Exception as exc:  # a user fn may raise anything: report where
+            where = f"{self.source}, row {index}" if self.source else f"row {index}"
+            raise DatasetError(f"{where}: dataset_map_fn {self.name} failed: {type(exc).__name__}: {exc}") from None
+
+
+def source_name(dataset_cfg: Any) -> str | None:
+    """The data file(s) a dataset config reads, for error messages."""
+    if not isinstance(dataset_cfg, dict):
+        return None
+    files = dataset_cfg.get("data_files")
+    if isinstance(files, dict):
+        files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
+    if isinstance(files, (list, tuple)):
+        return ", ".join(map(str, files))
+    return str(files) if files else dataset_cfg.get("path")
+
+
+# ---------------------------------------------------------------------------
+# Stages. Each takes a dataset and returns a new one, updating the report.
+
+def select_rows(dataset, max_dataset_length: int | None, seed: int, report: PipelineReport):
+    """Keep a seeded random subset of ``max_dataset_length`` rows (in file order)."""
+    if max_dataset_length is None or max_dataset_length >= len(dataset):
+        return dataset
+    keep = np.sort(np.random.default_rng(seed).permutation(len(dataset))[:max_dataset_length])
+    report.dropped["over max_dataset_length"] = len(dataset) - len(keep)
+    return dataset.select(keep)
+
+
+def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None):
+    safe = SafeMapFn(map_fn, source)
+    return dataset.map(safe, with_indices=True, num_proc=num_proc, desc=f"Map fn {safe.name}")
+
+
+def apply_template(dataset, template_map_fn: Callable, num_proc: int):
+    return dataset.map(template_map_fn, num_proc=num_proc, desc="Applying the prompt template")
+
+
+def require_conversation(dataset) -> None:
+    """Raw data without a map fn: say which map fn to set (XTuner's first check)."""
+    if "conversation" not in dataset.column_names:
+        raise DatasetError(
+            f"rows have no `conversation` (columns: {', '.join(dataset.column_names)}); data that is not in "
+            "the standard format needs a dataset_map_fn (e.g. alpaca_map_fn, sharegpt_map_fn)")
+
+
+def drop_empty(dataset, report: PipelineReport):
+    """Drop rows whose conversation is empty (counted, never silent)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    column = _column(dataset, "conversation")
+    if not pa.types.is_list(column.type):
+        return dataset  # not a list at all: the encoder reports the row
+    lengths = pc.list_value_length(column).fill_null(0)
+    return _keep(dataset, lengths.to_numpy(zero_copy_only=False) > 0, "empty conversation", report)
+
+
+def _column(dataset, name: str):
+    """One column as Arrow (honours select/filter indices), without decoding rows into Python."""
+    return dataset.select_columns([name]).with_format("arrow")[:][name]
+
+
+def _keep(dataset, mask: np.ndarray, reason: str, report: PipelineReport):
+    """Keep the rows where ``mask`` is True; count the others under ``reason``."""
+    dropped = int((~mask).sum())
+    if not dropped:
+        return dataset  # no indices mapping: later stages read the table without a copy
+    report.dropped[reason] = report.dropped.get(reason, 0) + dropped
+    return dataset.select(np.flatnonzero(mask))
+
+
+def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, hf_chat_template: bool,
+           remove_unused_columns: bool, num_proc: int, source: str | None):
+    from sfttool.dataset.encode import encode_batch
+    remove = dataset.column_names if remove_unused_columns else ["conversation"]
+    mode = "chat template" if hf_chat_template else "template"
+    return dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
+                       features=_encoded_features(dataset, remove),
+                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, source=source,
+                                      input_ids_with_output=input_ids_with_output,
+                                      hf_chat_template=hf_chat_template),
+                       desc=f"Tokenizing ({mode} mode)")
+
+
+def _encoded_features(dataset, removed: list[str]):
+    """int32 token columns: half the memory and disk of the int64 Python ints infer."""
+    from datasets import Features, List, Value
+    kept = {name: feature for name, feature in dataset.features.items() if name not in removed}
+    return Features({**kept, "input_ids": List(Value("int32")), "labels": List(Value("int32")),
+                     "length": Value("int32"), "num_tokens": Value("int32"), "num_trained": Value("int32")})
+
+
+def drop_untrained(dataset, report: PipelineReport):
+    trained = _column(dataset, "num_trained").to_numpy()
+    return _keep(dataset, trained > 0, "no trained token (answer empty, masked or truncated away)", report)
+
+
+def to_table(dataset):
+    """The dataset's rows as one Arrow table (honours select/filter indices)."""
+    return dataset.with_format("arrow")[:]
+
+
+def count_truncated(dataset, report: PipelineReport) -> None:
+    """Samples cut at max_length, counted before rows left without labels are dropped."""
+    table = dataset.select_columns(["num_tokens", "length"]).with_format("arrow")[:]
+    full, kept = table["num_tokens"].to_numpy(), table["length"].to_numpy()
+    report.encoded = len(full)
+    report.truncated = int((full > kept).sum())
+    report.tokens_before_truncation = int(full.sum())
+
+
+def require_rows(dataset, report: PipelineReport):
+    """Stop with the drop counts when nothing is left (instead of an empty-table crash later)."""
+    if len(dataset) == 0:
+        raise DatasetError("no rows left to train on: " + (
+            "; ".join(f"{n} dropped ({why})" for why, n in report.dropped.items()) or "the dataset is empty"))
+    return dataset
+
+
+def count_tokens(table, report: PipelineReport) -> None:
+    kept = table["length"].to_numpy()
+    report.tokens = int(kept.sum())
+    report.trained_tokens = int(table["num_trained"].to_numpy().sum())
+    report.sample_lengths = kept.tolist()
+
+
+def finish_rows(table, pack_to_max_length: bool, max_length: int, strategy: str, shuffle: bool, seed: int,
+                report: PipelineReport):
+    """Pack (or lay out one sample per row) and wrap as a ``datasets.Dataset``."""
+    from datasets import Dataset
+    from sfttool.dataset.pack import pack_table, unpacked_table
+    if pack_to_max_length:
+        rows, report.pack = pack_table(table, max_length, strategy, shuffle, seed)
+    else:
+        rows = unpacked_table(table)
+        for name in table.column_names:
+            if name not in rows.column_names and name not in ("num_tokens", "num_trained"):  # helpers
+                rows = rows.append_column(name, table[name])
+    return Dataset(rows)
+
+
+def log_report(report: PipelineReport, max_length: int) -> None:
+    log(f"Dataset: {report.rows_in} rows in, {report.rows_out} rows out")
+    for reason, count in report.dropped.items():
+        log(f"Dataset: dropped {count} rows: {reason}", logging.WARNING)
+    if report.truncated:
+        log(f"Dataset: truncated {report.truncated} samples at max_length={max_length} "
+            f"({report.tokens_before_truncation - report.tokens} tokens cut)", logging.WARNING)
+    if report.tokens:
+        log(f"Dataset: {report.tokens} tokens, {report.trained_tokens} trained "
+            f"({100 * report.trained_tokens / report.tokens:.1f}%)")
+    pack = report.pack
+    if pack is not None:
+        log(f"Dataset: packed {pack.samples} samples into {pack.rows} rows of <= {max_length} tokens, "
+            f"packing efficiency {100 * pack.efficiency:.1f}%, {pack.split_samples} samples split")
+        if pack.rows_without_labels:
+            log(f"Dataset: {pack.rows_without_labels} packed rows have no trained token", logging.WARNING)
+
+
+# ---------------------------------------------------------------------------
+# The pipeline.
+
+def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, template_map_fn=None,
+                 max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=(),
+                 shuffle_before_pack=True, pack_to_max_length=True, input_ids_with_output=True,
+                 map_num_proc=None, seed=0, pack_strategy="bfd", do_dataset_tokenization=True,
+                 keep_stages=False):
+    """All stages in order; returns ``(dataset, PipelineReport)``.
+
+    ``keep_stages`` stores the dataset after each stage in ``report.stages``
+    (``check-custom-dataset`` prints them).
+    """
+    source = source_name(dataset)
+    template = template_of(template_map_fn)
+    tokenizer = build_if_config(tokenizer, "tokenizer")
+    dataset = resolve_dataset(dataset, split)
+    map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
+    report = PipelineReport(rows_in=len(dataset))
+    stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
+    stage("loaded", dataset)
+    num_proc = default_num_proc(len(dataset), map_num_proc)
+
+    dataset = select_rows(dataset, max_dataset_length, seed, report)
+    if map_fn is not None:
+        dataset = apply_map_fn(dataset, map_fn, num_proc, source)
+        stage("map_fn", dataset)
+    if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
+        require_conversation(dataset)  # before the template map fn, which would see no conversation
+    if template_map_fn is not None:
+        dataset = apply_template(dataset, template_map_fn, num_proc)
+        stage("template", dataset)
+    for old, new in rename_maps:
+        dataset = dataset.rename_column(old, new)
+    if do_dataset_tokenization:
+        from sfttool.utils.templates import is_hf_chat_template
+        require_conversation(dataset)
+        dataset = require_rows(drop_empty(dataset, report), report)
+        remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
+        dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, is_hf_chat_template(template),
+                         remove, num_proc, source)
+        count_truncated(dataset, report)
+        if input_ids_with_output:
+            dataset = require_rows(drop_untrained(dataset, report), report)
+        stage("encoded", dataset)
+        table = to_table(dataset)
+        count_tokens(table, report)
+    else:
+        table = _pretokenized_table(dataset)
+    dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
+    stage("packed" if pack_to_max_length else "rows", dataset)
+    report.rows_out = len(dataset)
+    return dataset, report
+
+
+def _pretokenized_table(dataset):
+    """``do_dataset_tokenization=False``: rows must already hold input_ids and labels."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    missing = {"input_ids", "labels"} - set(dataset.column_names)
+    if missing:
+        raise DatasetError(f"do_dataset_tokenization=False needs columns input_ids and labels; "
+                           f"missing {', '.join(sorted(missing))}")
+    table = to_table(dataset)
+    labels = table["labels"].combine_chunks()
+    trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
+                          minlength=len(table))
+    table = table.append_column("num_trained", pa.array(trained))
+    table = table.append_column("length", pc.list_value_length(table["input_ids"]))
+    return table.append_column("num_tokens", table["length"])
+
+
+def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=None, template_map_fn=None,
+                       max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=[],
+                       shuffle_before_pack=True, pack_to_max_length=True, use_varlen_attn=False,
+                       input_ids_with_output=True, with_image_token=False, map_num_proc=None, seed=0,
+                       pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True):
+    """XTuner's ``process_hf_dataset``: a training ``datasets.Dataset`` from raw data.
+
+    >>> ds = process_hf_dataset(rows, tokenizer, max_length=2048,
+    ...                         template_map_fn=template_map_fn_factory('qwen_chat'))  # doctest: +SKIP
+    >>> ds[0].keys()                                                                  # doctest: +SKIP
+    dict_keys(['input_ids', 'labels', 'position_ids', 'sample_lengths', 'length'])
+
+    New arguments: ``seed`` (every shuffle and subset), ``pack_strategy``
+    (``'bfd'`` never splits a sample; ``'concat'`` is XTuner's cut),
+    ``cache_dir`` (reuse a processed dataset when nothing that changes it did).
+    ``map_num_proc=None`` picks a process count from the CPU count and data size.
+    ``use_varlen_attn`` only matters to the collate fn and model (rows always
+    carry per-sample position_ids); as in XTuner it requires packing.
+    """
+    _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token)
+    args = dict(dataset=dataset, tokenizer=tokenizer, max_length=max_length, dataset_map_fn=dataset_map_fn,
+                template_map_fn=template_map_fn, max_dataset_length=max_dataset_length, split=split,
+                remove_unused_columns=remove_unused_columns, rename_maps=list(rename_maps),
+                shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
+                input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
+                pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization)
+    if cache_dir is not None:
+        from sfttool.dataset.cache import cached_pipeline
+        return cached_pipeline(cache_dir, args)
+    result, report = run_pipeline(**args)
+    log_report(report, max_length)
+    return result
+
+
+def _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token) -> None:
+    from sfttool.dataset.pack import STRATEGIES
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+        raise DatasetError(f"max_length must be a positive integer, got {max_length!r}")
+    if use_varlen_attn and not pack_to_max_length:
+        raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
+    if pack_strategy not in STRATEGIES:
+        raise DatasetError(f"pack_strategy must be one of {', '.join(STRATEGIES)}, got {pack_strategy!r}")
+    if with_image_token:
+        raise DatasetError("with_image_token (multimodal data) is not supported")

@@ -1,0 +1,268 @@
+"""process_hf_dataset end to end: stages, counts, determinism, packed == unpacked, bad input."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from datasets import Dataset, DatasetDict, load_dataset
+
+from sfttool import assets
+from sfttool.dataset import DatasetError, process_hf_dataset
+from sfttool.dataset.map_fns import template_map_fn_factory
+from sfttool.utils import PROMPT_TEMPLATE
+
+QWEN = dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat)
+
+
+@pytest.fixture
+def rows():
+    return assets.tiny_conversations(64, seed=0)
+
+
+def run(rows_or_ds, tok, **kw):
+    ds = rows_or_ds if not isinstance(rows_or_ds, list) else Dataset.from_list(rows_or_ds)
+    kw.setdefault("template_map_fn", QWEN)
+    kw.setdefault("max_length", 128)
+    return process_hf_dataset(ds, tok, **kw)
+
+
+def test_rows_follow_contract(rows, tiny_tokenizer):
+    ds = run(rows, tiny_tokenizer)
+    assert ds.column_names == ["input_ids", "labels", "position_ids", "sample_lengths", "length"]
+    for row in ds:
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == row["length"] <= 128
+        assert sum(row["sample_lengths"]) == row["length"]
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0]
+        assert [b - a for a, b in zip(starts, starts[1:] + [row["length"]])] == row["sample_lengths"]
+
+
+def test_packed_equals_unpacked(rows, tiny_tokenizer):
+    """Packing only regroups samples: the multiset of (ids, labels) samples is unchanged."""
+    unpacked = run(rows, tiny_tokenizer, pack_to_max_length=False)
+    packed = run(rows, tiny_tokenizer, pack_to_max_length=True)
+    samples = sorted((tuple(r["input_ids"]), tuple(r["labels"])) for r in unpacked)
+    pieces = []
+    for row in packed:
+        start = 0
+        for n in row["sample_lengths"]:
+            pieces.append((tuple(row["input_ids"][start:start + n]), tuple(row["labels"][start:start + n])))
+            start += n
+    assert sorted(pieces) == samples
+    assert len(unpacked) == 64 and len(packed) < 64
+
+
+def test_deterministic_two_runs(rows, tiny_tokenizer):
+    a = run(rows, tiny_tokenizer, max_dataset_length=40, seed=3)
+    b = run(rows, tiny_tokenizer, max_dataset_length=40, seed=3)
+    assert a.to_list() == b.to_list()
+    c = run(rows, tiny_tokenizer, max_dataset_length=40, seed=4)
+    assert c.to_list() != a.to_list()
+
+
+def test_jsonl_config_with_map_fn_name(tmp_path, tiny_tokenizer_dir):
+    """XTuner-style config: dataset and tokenizer as config dicts, map fn by registered name."""
+    from transformers import AutoTokenizer
+    path = assets.write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Say hi", "input": "", "output": "hi"},
+        {"instruction": "Add", "input": "1 and 2", "output": "3"}])
+    ds = process_hf_dataset(
+        dataset=dict(type=load_dataset, path="json", data_files=str(path)),
+        tokenizer=dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=str(tiny_tokenizer_dir)),
+        max_length=64, dataset_map_fn="alpaca_map_fn", template_map_fn=QWEN, pack_to_max_length=False,
+        remove_unused_columns=True)
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    assert tok.decode([t for t in ds[0]["labels"] if t != -100]) == "hi<|im_end|>"
+    assert ds.column_names == ["input_ids", "labels", "position_ids", "sample_lengths", "length"]
+
+
+def test_unpacked_keeps_columns_unless_removed(tiny_tokenizer):
+    ds = run([{"conversation": [{"input": "a", "output": "b"}], "id": 7}], tiny_tokenizer, pack_to_max_length=False)
+    assert ds[0]["id"] == 7
+
+
+def test_dataset_dict_split(rows, tiny_tokenizer):
+    dd = DatasetDict(train=Dataset.from_list(rows[:10]), test=Dataset.from_list(rows[10:12]))
+    assert len(run(dd, tiny_tokenizer, split="test", pack_to_max_length=False)) == 2
+    with pytest.raises(DatasetError, match="no split 'validation'"):
+        run(dd, tiny_tokenizer, split="validation")
+
+
+def test_drops_are_counted_and_logged(tiny_tokenizer):
+    data = [{"conversation": []},
+            {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]},
+            {"conversation": [{"input": "hello " * 100, "output": "a"}]},
+            {"conversation": [{"input": "q", "output": "answer"}]}]
+    messages = []
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        ds = run(data, tiny_tokenizer, max_length=32, pack_to_max_length=True)
+    finally:
+        logger.removeHandler(handler)
+    assert len(ds) == 1 and ds[0]["sample_lengths"] == [ds[0]["length"]]
+    text = "\n".join(messages)
+    assert "4 rows in, 1 rows out" in text
+    assert "dropped 1 rows: empty conversation" in text
+    assert "dropped 2 rows: no trained token" in text
+    assert "truncated 1 samples at max_length=32" in text  # then dropped: its answer was cut away
+    assert "packing efficiency" in text
+
+
+def test_concat_strategy_loses_nothing(rows, tiny_tokenizer):
+    unpacked = run(rows, tiny_tokenizer, pack_to_max_length=False)
+    concat = run(rows, tiny_tokenizer, pack_strategy="concat", shuffle_before_pack=False)
+    assert [t for r in concat for t in r["input_ids"]] == [t for r in unpacked for t in r["input_ids"]]
+
+
+# ---------------------------------------------------------------------------
+# Bad input and settings.
+
+def test_map_fn_that_raises_names_row_and_fn(tiny_tokenizer):
+    def broken_map_fn(row):
+        if row["n"] == 2:
+            raise KeyError("output")
+        return {"conversation": [{"input": "q", "output": "a"}]}
+    with pytest.raises(DatasetError, match=r"row 2: dataset_map_fn broken_map_fn failed: KeyError"):
+        run([{"n": i} for i in range(4)], tiny_tokenizer, dataset_map_fn=broken_map_fn)
+
+
+def test_unknown_map_fn_name_lists_valid(tiny_tokenizer):
+    with pytest.raises(DatasetError, match="unknown dataset_map_fn 'alpaca_mapfn'; valid names: alpaca_map_fn"):
+        run([{"a": 1}], tiny_tokenizer, dataset_map_fn="alpaca_mapfn")
+
+
+def test_unknown_template_name_lists_valid(tiny_tokenizer):
+    with pytest.raises(DatasetError, match="qwen_chat"):
+        run([{"conversation": [{"input": "q", "output": "a"}]}], tiny_tokenizer,
+            template_map_fn=dict(type=template_map_fn_factory, template="qwen_caht"))
+
+
+def test_raw_rows_without_map_fn(tiny_tokenizer):
+    with pytest.raises(DatasetError, match=r"no `conversation` \(columns: instruction, output\).*dataset_map_fn"):
+        run([{"instruction": "q", "output": "a"}], tiny_tokenizer)
+
+
+def test_bad_row_names_row_and_field(tiny_tokenizer):
+    data = [{"conversation": [{"input": "q", "output": "a"}]}, {"conversation": [{"input": "q"}]}]
+    with pytest.raises(DatasetError, match=r"row 1, field 'conversation\[0\].output': expected a string, got missing"):
+        run(data, tiny_tokenizer, template_map_fn=None)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_length=0), "max_length must be a positive integer"),
+    (dict(use_varlen_attn=True, pack_to_max_length=False), "use_varlen_attn=True needs pack_to_max_length"),
+    (dict(pack_strategy="ffd"), "pack_strategy must be one of bfd, concat"),
+])
+def test_bad_settings(kw, message, tiny_tokenizer):
+    with pytest.raises(DatasetError, match=message):
+        run([{"conversation": [{"input": "q", "output": "a"}]}], tiny_tokenizer, **kw)
+
+
+def test_hf_chat_template_mode_in_pipeline(rows, tiny_tokenizer):
+    hf = run(rows, tiny_tokenizer, pack_to_max_length=False,
+             template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.hf_chat_template))
+    builtin = run(rows, tiny_tokenizer, pack_to_max_length=False)
+    assert hf.to_list() == builtin.to_list()
+
+
+def test_pretokenized_rows(tiny_tokenizer):
+    data = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    ds = run(data, tiny_tokenizer, do_dataset_tokenization=False, max_length=8, template_map_fn=None)
+    assert ds[0]["sample_lengths"] in ([3, 2], [2, 3])
+
+
+def test_nothing_left_is_an_error(tiny_tokenizer):
+    with pytest.raises(DatasetError, match=r"no rows left to train on: 1 dropped \(empty conversation\)"):
+        run([{"conversation": []}], tiny_tokenizer)
+
+
+# ---------------------------------------------------------------------------
+# Cache and mixing.
+
+def _jsonl_cfg(path):
+    return dict(type=load_dataset, path="json", data_files=str(path))
+
+
+def test_cache_reused_and_keyed(tmp_path, tiny_tokenizer):
+    from sfttool.dataset.cache import REPORT_FILE
+    data = tmp_path / "d.jsonl"
+    assets.write_jsonl(data, assets.tiny_conversations(32, seed=5))
+    cache = tmp_path / "cache"
+    first = run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache)
+    entries = {p.name for p in cache.iterdir()}
+    assert len(entries) == 1 and (cache / entries.pop() / REPORT_FILE).exists()
+    second = run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache)
+    assert second.to_list() == first.to_list()
+    assert len(list(cache.iterdir())) == 1  # reused, not rebuilt
+    run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache, max_length=64)
+    run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache, seed=1)
+    run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache,
+        template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.default))
+    assets.write_jsonl(data, assets.tiny_conversations(32, seed=6))  # same name, new content
+    run(_jsonl_cfg(data), tiny_tokenizer, cache_dir=cache)
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 5
+
+
+def test_cache_key_changes_with_tokenizer(tiny_tokenizer, tiny_tokenizer_bos):
+    from sfttool.dataset.cache import cache_key
+    args = dict(dataset=None, max_length=8)
+    assert cache_key(args, tiny_tokenizer) != cache_key(args, tiny_tokenizer_bos)
+    assert cache_key(args, tiny_tokenizer) == cache_key(dict(args), tiny_tokenizer)
+
+
+def test_interrupted_save_leaves_no_cache(tmp_path):
+    from sfttool.dataset.cache import save_atomically
+
+    class Interrupted:
+        def save_to_disk(self, path):
+            os.makedirs(path)
+            open(os.path.join(path, "data-00000.arrow"), "w").write("partial")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically(Interrupted(), tmp_path / "key", "{}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mix_with_ratios(rows, tiny_tokenizer):
+    from sfttool.dataset import mix_datasets
+    from sfttool.registry import build
+    a = run(rows, tiny_tokenizer, pack_to_max_length=False)
+    b = run(rows[:10], tiny_tokenizer, pack_to_max_length=False)
+    mixed = mix_datasets([a, b], ratios=[0.5, 2.0], seed=0)
+    assert len(mixed) == 32 + 20
+    assert mixed.to_list() == mix_datasets([a, b], ratios=[0.5, 2.0], seed=0).to_list()
+    assert mixed.to_list()[32:42] == b.to_list() == mixed.to_list()[42:]
+    built = build(dict(type="mix_datasets", datasets=[a, b]))
+    assert len(built) == len(a) + len(b)
+    with pytest.raises(DatasetError, match="2 datasets but 1 ratios"):
+        mix_datasets([a, b], ratios=[1.0])
+
+
+def test_default_num_proc():
+    from sfttool.dataset.pipeline import default_num_proc
+    cpus = os.cpu_count() or 1
+    assert default_num_proc(100, 32) == 1
+    assert default_num_proc(10**7, 32) == min(32, cpus)
+    assert default_num_proc(10**7, None) == min(8, cpus)
+
+
+def test_two_processes_same_result_and_row_errors(tiny_tokenizer):
+    """map_num_proc=2: identical rows; a failing row is still reported with its global index."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs")
+    data = Dataset.from_list(assets.tiny_conversations(10000, seed=7, max_turns=1))
+    one = run(data, tiny_tokenizer, map_num_proc=1)
+    two = run(data, tiny_tokenizer, map_num_proc=2)
+    assert one.to_list() == two.to_list()
+
+    def fails_late(row):
+        if row["conversation"][0]["input"] == data[7500]["conversation"][0]["input"]:
+            raise ValueError("bad row")
+        return row
+    with pytest.raises(DatasetError, match=r"row 7500: dataset_map_fn fails_late failed: ValueError: bad row"):
+        run(data, tiny_tokenizer, map_num_proc=2, dataset_map_fn=fails_late)

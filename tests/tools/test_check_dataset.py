@@ -1,0 +1,159 @@
+"""`sfttool check-custom-dataset`: output and exit codes on good and bad data and configs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sfttool import assets
+from sfttool.cli.main import cli
+
+CONFIG = """
+from datasets import load_dataset
+from transformers import AutoTokenizer
+from sfttool.dataset import process_hf_dataset
+from sfttool.dataset.map_fns import template_map_fn_factory, alpaca_map_fn
+from sfttool.utils import PROMPT_TEMPLATE
+
+tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path={tok!r})
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files={data!r}),
+    tokenizer=tokenizer, max_length=128, dataset_map_fn={map_fn},
+    template_map_fn=dict(type=template_map_fn_factory, template={template}),
+    remove_unused_columns=True, pack_to_max_length=True)
+train_dataloader = dict(batch_size=2, dataset=train_dataset)
+"""
+
+
+def make_config(tmp_path, tok_dir, rows=None, lines=None, map_fn="None", template="PROMPT_TEMPLATE.qwen_chat"):
+    data = tmp_path / "data.jsonl"
+    if lines is not None:
+        data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    else:
+        assets.write_jsonl(data, rows if rows is not None else assets.tiny_conversations(20))
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG.format(tok=str(tok_dir), data=str(data), map_fn=map_fn, template=template))
+    return cfg
+
+
+def check(cfg, *extra):
+    result = CliRunner().invoke(cli, ["check-custom-dataset", str(cfg), "--no-color", *extra])
+    return result.exit_code, result.output
+
+
+def test_good_dataset(tmp_path, tiny_tokenizer_dir):
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir))
+    assert code == 0, out
+    assert f"Config: {tmp_path / 'cfg.py'}" in out
+    for header in ("== raw row (row 0) ==", "== after template_map_fn (row 0) ==", "== input_ids (row 0) ==",
+                   "== labels (row 0) ==", "== trained vs masked", "== final row 0:", "== statistics =="):
+        assert header in out
+    assert "[MASKED:<|im_start|>user\n" in out and "<|im_end|>[MASKED:\n<|im_start|>user" in out
+    for stat in ("rows in: 20", "sample length (tokens): min", "truncated at max_length=128",
+                 "trained tokens:", "packing (bfd): 20 samples ->", "tokens per epoch:", "iterations per epoch"):
+        assert stat in out
+    assert "OK: 0 errors, 0 warnings" in out
+
+
+def test_every_row_validated_with_file_row_field(tmp_path, tiny_tokenizer_dir):
+    rows = assets.tiny_conversations(30)
+    for i in (4, 17, 25):
+        rows[i]["conversation"][0]["output"] = None
+    rows[9]["conversation"] = []
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows), "--max-errors", "3")
+    assert code == 1
+    data = tmp_path / "data.jsonl"
+    assert f"ERROR: {data}, row 4, field 'conversation[0].output': expected a string, got missing" in out
+    assert f"ERROR: {data}, row 9: empty or missing `conversation`" in out
+    assert f"{data}, row 17, field 'conversation[0].output'" in out
+    assert "... and 1 more rows with errors" in out
+    assert "FAILED: 4 errors" in out
+
+
+def test_malformed_jsonl_names_line(tmp_path, tiny_tokenizer_dir):
+    good = json.dumps({"conversation": [{"input": "q", "output": "a"}]})
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, lines=[good, good, "{broken"]))
+    assert code == 1
+    assert f"ERROR: {tmp_path / 'data.jsonl'}, line 3: invalid JSON" in out
+
+
+def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
+    rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
+    assert code == 1 and "not in the standard format" in out and "set dataset_map_fn" in out
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))
+    assert code == 0, out
+    assert "== after dataset_map_fn (row 0) ==" in out
+
+
+def test_standard_data_with_map_fn(tmp_path, tiny_tokenizer_dir):
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, map_fn="alpaca_map_fn"))
+    assert code == 1 and "set dataset_map_fn=None" in out
+
+
+def test_map_fn_error_reports_row(tmp_path, tiny_tokenizer_dir):
+    rows = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "a", "input": ""}]
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))
+    assert code == 1
+    assert "row 1: dataset_map_fn alpaca_map_fn failed" in out
+
+
+def test_split_marker_warning(tmp_path, tiny_tokenizer_dir):
+    template = ("dict(SYSTEM='<|System|>:{system}\\n', INSTRUCTION='<|User|>:{input}\\n<|Bot|>:', "
+                "SUFFIX='<eoa>', SUFFIX_AS_EOS=False, SEP='\\n')")
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, template=template))
+    assert code == 0, out
+    assert "WARNING: template marker '<|User|>' is" in out and "tokens for this tokenizer" in out
+
+
+def test_template_disagrees_with_chat_template(tmp_path, tiny_tokenizer_dir):
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, template="PROMPT_TEMPLATE.llama2_chat"))
+    assert code == 0, out
+    assert "renders differently from the tokenizer's chat_template" in out
+    assert "PROMPT_TEMPLATE.hf_chat_template" in out
+
+
+def test_hf_chat_template_mode(tmp_path, tiny_tokenizer_dir):
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, template="PROMPT_TEMPLATE.hf_chat_template"))
+    assert code == 0, out
+    assert "OK: 0 errors, 0 warnings" in out
+
+
+def test_config_without_dataset(tmp_path):
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("x = 1\n")
+    code, out = check(cfg)
+    assert code == 1
+    assert "no `train_dataloader.dataset`" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("missing", ["nope.py"])
+def test_missing_config(missing):
+    code, out = check(missing)
+    assert code == 1 and "Error:" in out and "Traceback" not in out
+
+
+MIX_CONFIG = CONFIG + """
+from sfttool.dataset import mix_datasets
+second = dict(train_dataset, dataset=dict(type=load_dataset, path='json', data_files={data2!r}))
+train_dataloader = dict(batch_size=2, dataset=dict(type=mix_datasets, datasets=[train_dataset, second],
+                                                   ratios=[1.0, 0.5]))
+"""
+
+
+def test_mix_datasets_checked_one_by_one(tmp_path, tiny_tokenizer_dir):
+    data = assets.write_jsonl(tmp_path / "data.jsonl", assets.tiny_conversations(10))
+    bad = assets.tiny_conversations(10, seed=1)
+    bad[3]["conversation"][0]["input"] = None
+    bad[3]["conversation"][0]["output"] = None
+    data2 = assets.write_jsonl(tmp_path / "data2.jsonl", bad)
+    cfg = tmp_path / "mix.py"
+    cfg.write_text(MIX_CONFIG.format(tok=str(tiny_tokenizer_dir), data=str(data), map_fn="None",
+                                     template="PROMPT_TEMPLATE.qwen_chat", data2=str(data2)))
+    code, out = check(cfg)
+    assert code == 1
+    assert "mix_datasets: dataset 1 of 2" in out and "mix_datasets: dataset 2 of 2" in out
+    assert out.count("== statistics ==") == 1  # the first is fine, the second stops at its error
+    assert f"ERROR: {data2}, row 3, field 'conversation[0].output'" in out
