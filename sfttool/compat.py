@@ -23,7 +23,13 @@ def patch_mmengine_package_lookup() -> None:
     """mmengine 0.10.x: absolute imports inside ``read_base()`` call
     ``is_installed``/``get_installed_path``, which import ``pkg_resources``;
     setuptools >= 81 no longer ships it. Answer the same questions with
-    ``importlib`` instead."""
+    ``importlib`` instead.
+
+    mmengine resolves ``from pkg.configs.x import *`` as
+    ``get_installed_path('pkg') + '/configs/x.py'``. An editable install of a
+    source checkout maps ``sfttool.configs`` to the top-level ``configs/``
+    folder, outside ``sfttool/``; there the folder holding ``configs`` is
+    returned instead, so absolute base imports work in both layouts."""
     if not _once("mmengine_package_lookup"):
         return
     import mmengine.config.config as mm_config
@@ -40,12 +46,234 @@ def patch_mmengine_package_lookup() -> None:
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
             raise ModuleNotFoundError(f"package {package!r} is not installed")
-        return os.path.dirname(spec.origin)
+        root = os.path.dirname(spec.origin)
+        if not os.path.isdir(os.path.join(root, "configs")):
+            try:
+                configs = importlib.util.find_spec(f"{package}.configs")
+            except ImportError:  # `package` is a plain module
+                configs = None
+            folder = os.path.dirname(configs.origin) if configs and configs.origin else ""
+            if os.path.basename(folder) == "configs":  # mmengine appends 'configs/...'
+                return os.path.dirname(folder)
+        return root
 
     mm_config.is_installed = is_installed
     mm_config.get_installed_path = get_installed_path
 
 
+def disable_bnb_cpu_weight_repacking(model) -> int:
+    """bitsandbytes 0.50 (CPU with AVX512-BF16): ``Linear4bit.forward`` in eval
+    mode without grad repacks its 4-bit weight into an inference-only layout
+    (``packing_format_for_cpu``) whose kernel has no backward. After any
+    eval-mode forward or ``generate()`` (an evaluation hook), gradients no
+    longer flow through those layers: LoRA gradients come out silently wrong
+    or None and the loss stalls. Each layer's ``support_avx512bf16_for_cpu`` flag
+    gates the repacking; clearing it keeps the trainable layout (inference on
+    CPU is a little slower). Returns how many layers were changed.
+
+    Call on every model that may hold bnb 4-bit layers, once it is built.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
+# ---------------------------------------------------------------------------
+# Training-side patches (runner, distributed, DeepSpeed, resume).
+
+def patch_mmengine_deepspeed_optimizers() -> None:
+    """mmengine 0.10.x with deepspeed >= 0.16: ``register_deepspeed_optimizers``
+    (called by ``DeepSpeedStrategy.__init__``) imports the 1-bit optimizers from
+    ``deepspeed.runtime.fp16.onebit``, which deepspeed removed; every DeepSpeed
+    run dies with ImportError. sfttool passes a torch optimizer to DeepSpeed, so
+    registering only the optimizers that still exist is enough."""
+    if not _once("mmengine_deepspeed_optimizers"):
+        return
+    import mmengine._strategy.deepspeed as mm_ds
+    from mmengine.registry import OPTIMIZERS
+
+    def register_deepspeed_optimizers() -> list:
+        names = []
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+            from deepspeed.ops.lamb import FusedLamb
+        except ImportError:
+            return names
+        for cls in (DeepSpeedCPUAdam, FusedAdam, FusedLamb):
+            if cls.__name__ not in OPTIMIZERS:
+                OPTIMIZERS.register_module(module=cls)
+            names.append(cls.__name__)
+        return names
+
+    mm_ds.register_deepspeed_optimizers = register_deepspeed_optimizers
+
+
+def allow_mmengine_checkpoint_globals() -> None:
+    """torch >= 2.6: ``torch.load`` defaults to ``weights_only=True`` and refuses
+    the few non-tensor objects an mmengine checkpoint holds (the message hub's
+    ``HistoryBuffer`` and the numpy arrays inside it), so ``--resume`` fails
+    with an UnpicklingError. Allow-list exactly those types instead of turning
+    ``weights_only`` off for everything."""
+    if not _once("mmengine_checkpoint_globals"):
+        return
+    import numpy as np
+    import torch
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    try:  # numpy >= 2 moved the pickling helper
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtype_classes = [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool", "uint32")]
+    torch.serialization.add_safe_globals(
+        [HistoryBuffer, np.ndarray, np.dtype, _reconstruct, scalar, *dtype_classes])
+
+
+def init_cpu_process_group(timeout_s: float = 1800.0) -> bool:
+    """mmengine 0.10.x: ``init_dist`` calls ``torch.cuda.set_device`` even on a
+    CPU-only machine, so multi-process CPU runs crash before training; it skips
+    its own set-up when a process group already exists. Under ``torchrun``
+    without CUDA, create the group ourselves with gloo. Returns True when this
+    call created the group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.cuda.is_available():
+        return False
+    if dist.is_available() and dist.is_initialized():
+        return False
+    dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def cpu_ddp_wrapper_cfg(model_wrapper_cfg: dict | None, find_unused_parameters: bool = False) -> dict | None:
+    """mmengine 0.10.x: with no ``model_wrapper_cfg`` the runner wraps the model
+    in ``MMDistributedDataParallel(device_ids=[LOCAL_RANK])``, which torch
+    rejects for CPU modules. On CPU return an explicit wrapper config with
+    ``device_ids=None``; elsewhere return the config unchanged."""
+    import torch
+
+    if torch.cuda.is_available() or model_wrapper_cfg is not None:
+        return model_wrapper_cfg
+    return dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
+                find_unused_parameters=find_unused_parameters)
+
+
+def cpu_optim_wrapper_type(optim_wrapper_cfg: dict) -> dict:
+    """mmengine 0.10.x: ``AmpOptimWrapper`` raises on a machine without CUDA.
+    XTuner configs use it everywhere; on CPU fall back to the plain
+    ``OptimWrapper`` (dropping AMP-only keys) with a warning."""
+    import warnings
+
+    import torch
+
+    type_ = optim_wrapper_cfg.get("type")
+    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
+    if torch.cuda.is_available() or not name.endswith("AmpOptimWrapper"):
+        return optim_wrapper_cfg
+    warnings.warn("AmpOptimWrapper needs a GPU; training in float32 with OptimWrapper on this CPU machine",
+                  stacklevel=2)
+    cfg = {k: v for k, v in optim_wrapper_cfg.items() if k not in ("loss_scale", "dtype", "use_fsdp")}
+    cfg["type"] = "OptimWrapper"
+    return cfg
+
+
+def cpu_dist_backend(backend: str | None) -> str:
+    """``nccl`` needs GPUs: on a CPU-only machine use ``gloo`` (with a warning
+    when the config asked for nccl)."""
+    import warnings
+
+    import torch
+
+    if torch.cuda.is_available():
+        return backend or "nccl"
+    if backend not in (None, "gloo"):
+        warnings.warn(f"dist backend {backend!r} needs GPUs; using 'gloo' on this CPU machine", stacklevel=2)
+    return "gloo"
+
+
+def limit_cpu_threads() -> None:
+    """DeepSpeed 0.19 on CPU (and torch CPU DDP with several processes) is
+    ~50x slower with OpenMP's default of one thread per core in every process,
+    which oversubscribes the cores. On a machine without CUDA, default
+    ``OMP_NUM_THREADS`` to 1 unless the user set it."""
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available():
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def patch_mmengine_dump_local_functions() -> None:
+    """mmengine 0.10.x: a function defined in a config's own files (a custom map
+    fn imported with ``with read_base(): from .map_fn import my_map_fn``) has no
+    importable path, so ``Config.pretty_text`` writes ``<function ...>``, fails
+    to format it, and the runner (which logs ``pretty_text`` and dumps the
+    config into the work dir) raises SyntaxError. Write such a function as a
+    string naming it and its file instead; the config that was run is still the
+    user's own file."""
+    if not _once("mmengine_dump_local_functions"):
+        return
+    import sys
+
+    from mmengine.config import Config
+
+    def describe(node):
+        if isinstance(node, dict):
+            return {k: describe(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(describe(v) for v in node)
+        code = getattr(node, "__code__", None)
+        if callable(node) and code is not None and getattr(node, "__module__", None) not in sys.modules:
+            return f"{node.__qualname__} (defined in {code.co_filename})"
+        return node
+
+    original = Config.pretty_text.fget
+
+    def pretty_text(self) -> str:
+        try:
+            return original(self)
+        except SyntaxError:
+            return original(Config(describe(self.to_dict()), filename=self.filename))
+
+    Config.pretty_text = property(pretty_text)
+
+
 def apply_all() -> None:
     """Apply every patch sfttool needs (config loading and training)."""
     patch_mmengine_package_lookup()
+    patch_mmengine_dump_local_functions()
+
+
+def patch_history_buffer_pickling() -> None:
+    """mmengine 0.10.x: ``HistoryBuffer.__getstate__`` pickles its class-level
+    table of statistics functions (``HistoryBuffer.min`` ...), which torch's
+    pickle protocol 2 writes as ``getattr(HistoryBuffer, 'min')``. Loading that
+    with ``weights_only=True`` would need ``builtins.getattr`` on the
+    allow-list, which would let a checkpoint reach attributes of any allowed
+    object. The table is rebuilt by the class itself (defaults on first use,
+    custom methods at import), so save the buffer's data without it."""
+    if not _once("history_buffer_pickling"):
+        return
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "statistics_methods"}
+
+    HistoryBuffer.__getstate__ = __getstate__
+
+
+def apply_training() -> None:
+    """``apply_all()`` plus the runner-side patches. Kept apart because they
+    import torch, mmengine's runner and deepspeed (seconds), which config
+    loading and the light subcommands should not pay for."""
+    apply_all()
+    patch_mmengine_deepspeed_optimizers()
+    allow_mmengine_checkpoint_globals()
+    patch_history_buffer_pickling()  # keeps `getattr` off the weights_only allow-list

@@ -1,9 +1,23 @@
 """`sfttool train`."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from sfttool.cli.errors import user_errors
+
+
+def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list[str]:
+    """The same command for each torchrun worker (without --nproc-per-node)."""
+    args = [config]
+    for flag, value in (("--work-dir", work_dir), ("--deepspeed", deepspeed), ("--resume", resume),
+                        ("--seed", seed)):
+        if value is not None:
+            args += [flag, str(value)]
+    for option in cfg_options:
+        args += ["--cfg-options", option]
+    return args
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -14,13 +28,42 @@ from sfttool.cli.errors import user_errors
               help="Resume from the latest checkpoint in the work dir, or from the given checkpoint path.")
 @click.option("--seed", type=int, default=None, help="Overrides the config's seed.")
 @click.option("--cfg-options", multiple=True, help="Override config keys: --cfg-options a.b=1 --cfg-options c=x")
+@click.option("--nproc-per-node", type=int, default=None,
+              help="Processes per machine (torchrun); default: $NPROC_PER_NODE or 1. "
+                   "Also read: NNODES, NODE_RANK, ADDR, PORT.")
+@click.option("--trust-remote-code", is_flag=True, default=False,
+              help="Allow model repositories' own Python code to run (sets trust_remote_code=True on every "
+                   "from_pretrained in the config). Off unless given here or in the config.")
 @user_errors
-def train(config, work_dir, deepspeed, resume, seed, cfg_options) -> None:
+def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""
     from sfttool.config import ConfigError, load_config, validate_config
+    from sfttool.engine import launch
 
-    cfg = load_config(config, list(cfg_options))
-    errors = validate_config(cfg, cfg.filename)
-    if errors:
-        raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
-    raise click.ClickException("training is not available yet in this build")
+    try:
+        plan = launch.plan_from_env(nproc_per_node)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if launch.needs_launch(plan):
+        # Check the config here so a typo fails once, not once per rank.
+        cfg = load_config(config, list(cfg_options))
+        errors = validate_config(cfg, cfg.filename)
+        if errors:
+            raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+        worker_args = _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options)
+        code = launch.launch(plan, worker_args + (["--trust-remote-code"] if trust_remote_code else []))
+        if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary
+            click.echo(f"Stopped by a signal (exit {code}); resume with the same command plus --resume", err=True)
+            raise SystemExit(code)
+        if code != 0:
+            raise click.ClickException(f"training failed: torchrun exited with code {code} (see the ranks' logs above)")
+        return
+    from sfttool.engine.train import train as run_training
+
+    from sfttool.engine.safety import report_rank_failure
+
+    with report_rank_failure():  # in a multi-process run the log names the failing rank
+        out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
+                           cfg_options=list(cfg_options), trust_remote_code=trust_remote_code)
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"Training finished; outputs in {out}")

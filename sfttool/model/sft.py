@@ -105,7 +105,10 @@ class SupervisedFinetune(BaseModel):
             load_adapter_folder(self.llm, path)
             return
         # A checkpoint written by the runner: mmengine pickles its own objects beside the weights.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        # Load them through the explicit allow-list, never with arbitrary unpickling.
+        from sfttool import compat
+        compat.allow_mmengine_checkpoint_globals()
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         state = ckpt.get("state_dict", ckpt)
         missing = set(self.state_dict()) - set(state)
         if missing:

@@ -1,0 +1,7 @@
+"""Training hooks with XTuner's names: sample generations, dataset statistics, throughput."""
+from .dataset_info_hook import DatasetInfoHook
+from .evaluate_chat_hook import EvaluateChatHook
+from .preemption_hook import PreemptionHook
+from .throughput_hook import ThroughputHook
+
+__all__ = ["DatasetInfoHook", "EvaluateChatHook", "PreemptionHook", "ThroughputHook"]

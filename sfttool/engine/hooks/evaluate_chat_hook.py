@@ -1,0 +1,127 @@
+"""Sample generations during training (XTuner's ``evaluation_inputs``).
+
+Before training, every ``every_n_iters`` iterations and after training, each
+input is rendered exactly as ``sfttool chat`` renders it (``encode_prompt``
+with the config's template, contract 7), answered greedily by default, cut at
+the template's STOP_WORDS plus ``stop_words``, logged, and appended to
+``work_dir/eval_outputs/iter_<n>.jsonl``:
+
+    {"iter": 10, "input": "Hi?", "prompt": "<|im_start|>user\\nHi?...", "output": "Hello."}
+
+Every rank generates (ZeRO-3 needs all ranks in each forward); rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+
+from sfttool.registry import BUILDER, build_if_config
+
+
+def _template_stop_words(template: Any) -> list[str]:
+    if template is None:
+        return []
+    if isinstance(template, str):
+        from sfttool.utils.templates import get_template
+        template = get_template(template)
+    return list(template.get("STOP_WORDS") or [])
+
+
+def cut_at_stop_words(text: str, stop_words: list[str]) -> str:
+    """``'Hi.<|im_end|>junk'`` with stop word ``'<|im_end|>'`` -> ``'Hi.'``."""
+    cut = len(text)
+    for word in stop_words:
+        pos = text.find(word)
+        if word and pos != -1:
+            cut = min(cut, pos)
+    return text[:cut]
+
+
+@BUILDER.register_module()
+class EvaluateChatHook(Hook):
+    """XTuner's arguments; ``stop_word`` (one string) is accepted too."""
+
+    priority = "LOW"
+
+    def __init__(self, tokenizer, evaluation_inputs, evaluation_images=None, image_processor=None, system="",
+                 prompt_template=None, every_n_iters=None, max_new_tokens=600, stop_word=None, stop_words=[],
+                 generation_kwargs={}):
+        if evaluation_images is not None:
+            raise ValueError("EvaluateChatHook: evaluation_images is not supported (text-only models)")
+        self.tokenizer = build_if_config(tokenizer, "EvaluateChatHook.tokenizer")
+        self.evaluation_inputs = [evaluation_inputs] if isinstance(evaluation_inputs, str) else list(evaluation_inputs)
+        self.system = system or ""
+        self.prompt_template = prompt_template
+        self.every_n_iters = every_n_iters
+        self.max_new_tokens = max_new_tokens
+        self.stop_words = _template_stop_words(prompt_template) + list(stop_words) + ([stop_word] if stop_word else [])
+        self.generation_kwargs = dict(do_sample=False, **dict(generation_kwargs))
+
+    def before_train(self, runner) -> None:
+        self._generate(runner, runner.iter)
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        if self.every_n_iters and self.every_n_iters > 0 and self.every_n_train_iters(runner, self.every_n_iters):
+            self._generate(runner, runner.iter + 1)
+
+    def after_train(self, runner) -> None:
+        self._generate(runner, runner.iter)
+
+    # -- generation -------------------------------------------------------
+
+    def prompt_ids(self, text: str) -> list[int]:
+        from sfttool.dataset.encode import encode_prompt
+
+        turn = {"input": text}
+        if self.system:
+            turn["system"] = self.system
+        return encode_prompt([turn], self.tokenizer, self.prompt_template)
+
+    def _generate(self, runner, iteration: int) -> None:
+        from sfttool.engine.runner import unwrap_model
+
+        model = unwrap_model(runner.model)
+        was_training = model.training
+        model.eval()
+        try:
+            records = [self._answer(model, runner, text, iteration) for text in self.evaluation_inputs]
+        finally:
+            model.train(was_training)
+        if is_main_process():
+            self._write(runner, iteration, records)
+
+    def _answer(self, model, runner, text: str, iteration: int) -> dict:
+        import torch
+
+        ids = self.prompt_ids(text)
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([ids], device=device)  # [1, prompt_len]
+        eos = [self.tokenizer.eos_token_id] + self.tokenizer.convert_tokens_to_ids(
+            [w for w in self.stop_words if w in self.tokenizer.get_vocab()])
+        with torch.no_grad():
+            out = model.llm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                     max_new_tokens=self.max_new_tokens, eos_token_id=sorted(set(eos)),
+                                     pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                                     use_cache=True, synced_gpus=_zero3(runner.model), **self.generation_kwargs)
+        answer = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+        return {"iter": iteration, "input": text, "prompt": self.tokenizer.decode(ids),
+                "output": cut_at_stop_words(answer, self.stop_words + [self.tokenizer.eos_token or ""])}
+
+    def _write(self, runner, iteration: int, records: list[dict]) -> None:
+        folder = os.path.join(runner.work_dir, "eval_outputs")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"iter_{iteration}.jsonl"), "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for record in records:
+            runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
+
+
+def _zero3(wrapped: Any) -> bool:
+    engine = getattr(wrapped, "model", None)
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    return bool(callable(partitioned) and partitioned())

@@ -1,0 +1,80 @@
+"""Throughput in the training log: tokens/s and trained tokens/s per device;
+on GPUs also achieved TFLOP/s and MFU.
+
+``tokens`` counts every position the model processes in a micro-batch
+(padding included: it costs compute); ``trained`` counts positions with a
+label. FLOPs use the usual dense estimate ``6 x parameters x tokens`` (forward
++ backward), plus ``2 x parameters x tokens`` with activation checkpointing
+(the recomputed forward); MFU divides by the device's peak dense bf16/fp16
+TFLOP/s (``peak_tflops``, or looked up from the device name).
+"""
+from __future__ import annotations
+
+import time
+
+from mmengine.hooks import Hook
+
+from sfttool.registry import BUILDER
+
+# Dense bf16/fp16 tensor-core peak TFLOP/s by device-name fragment.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+               "L40": 181.0, "A10G": 125.0, "A10": 125.0, "4090": 165.0, "3090": 71.0, "V100": 125.0,
+               "T4": 65.0}
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    for fragment, peak in PEAK_TFLOPS.items():
+        if fragment in device_name:
+            return peak
+    return None
+
+
+@BUILDER.register_module()
+class ThroughputHook(Hook):
+    priority = "BELOW_NORMAL"
+
+    def __init__(self, peak_tflops: float | None = None):
+        self.peak_tflops = peak_tflops
+        self._start = None
+        self._params = None
+
+    def before_train(self, runner) -> None:
+        from sfttool.engine.runner import unwrap_model
+
+        import torch
+        model = unwrap_model(runner.model)
+        self._params = sum(p.numel() for p in model.parameters())
+        llm = getattr(model, "llm", None)
+        base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm  # under peft
+        # transformers 5 renamed the flag (the old name warns)
+        flag = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        self._recompute = bool(getattr(base, flag, False))
+        if torch.cuda.is_available() and self.peak_tflops is None:
+            self.peak_tflops = peak_tflops_of(torch.cuda.get_device_name())
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        import torch
+        if self._start is None or not data_batch:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = max(time.perf_counter() - self._start, 1e-9)
+        data = data_batch["data"]
+        tokens = data["input_ids"].numel()
+        trained = int((data["labels"] != -100).sum())
+        hub = runner.message_hub
+        hub.update_scalar("train/tokens_per_sec", tokens / seconds)
+        hub.update_scalar("train/trained_tokens_per_sec", trained / seconds)
+        if torch.cuda.is_available():
+            flops = (8 if self._recompute else 6) * self._params * tokens
+            tflops = flops / seconds / 1e12
+            hub.update_scalar("train/tflops", tflops)
+            if self.peak_tflops:
+                hub.update_scalar("train/mfu", tflops / self.peak_tflops)

@@ -1,0 +1,182 @@
+"""`TrainLoop`: an iteration loop that knows epochs, normalises the loss over
+the whole optimizer step, and resumes at the exact data position.
+
+One *iteration* is one micro-batch (as in mmengine and XTuner); the optimizer
+steps every ``accumulative_counts`` iterations (or DeepSpeed's
+``gradient_accumulation_steps``).
+
+Loss normalisation (contract 6): before the first micro-batch of an optimizer
+step the loop looks ahead at all micro-batches of that step, counts their loss
+units (trained tokens, or samples) with ``model.count_loss_units``, sums the
+count over ranks, and hands every micro-batch
+
+    data["loss_normalizer"] = global_count / (loss_factor * world_size)
+
+The optimizer wrapper divides each micro-batch loss by ``loss_factor`` and
+data parallelism averages gradients over ``world_size`` ranks, so the step's
+gradient is ``sum(per-token loss) / global_count``: the mean over every trained
+token of the global batch, whatever the split.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator
+
+from mmengine.dist import all_reduce, get_world_size
+from mmengine.logging import print_log
+from mmengine.model import is_model_wrapper
+from mmengine.runner import IterBasedTrainLoop
+
+from sfttool.engine.checkpoint import restore_rng_state
+from sfttool.registry import BUILDER
+
+
+def unwrap_model(model: Any) -> Any:
+    """The user's model inside a DDP or DeepSpeed wrapper."""
+    if is_model_wrapper(model):
+        return model.module
+    engine = getattr(model, "model", None)  # MMDeepSpeedEngineWrapper -> DeepSpeedEngine
+    if engine is not None and hasattr(engine, "module") and type(model).__name__ == "MMDeepSpeedEngineWrapper":
+        return engine.module
+    return model
+
+
+class _ResumableBatches:
+    """Endless batches over epochs; starts at any iteration without reading
+    the batches before it in earlier epochs.
+
+    The sampler is seeded by ``seed + epoch`` (mmengine's ``DefaultSampler``),
+    so jumping to epoch ``e`` and skipping ``offset`` batches reproduces the
+    uninterrupted order exactly.
+    """
+
+    def __init__(self, dataloader, start_iter: int = 0) -> None:
+        self.dataloader = dataloader
+        self.epoch, offset = divmod(start_iter, len(dataloader))
+        # Creating a DataLoader iterator draws a worker seed from torch's global
+        # RNG. An uninterrupted run drew it when the epoch began: do the same
+        # (now when resuming mid-epoch, lazily at the first batch otherwise).
+        self._iterator = self._epoch_iterator() if offset else None
+        for _ in range(offset):  # within one epoch only
+            next(self._iterator)
+
+    def _epoch_iterator(self) -> Iterator:
+        sampler = getattr(self.dataloader, "sampler", None)
+        # A stream (sfttool.dataset.streaming) orders itself by epoch, as a sampler does.
+        for obj in (sampler, getattr(self.dataloader, "batch_sampler", None),
+                    getattr(self.dataloader, "dataset", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(self.epoch)
+        return iter(self.dataloader)
+
+    def __next__(self):
+        if self._iterator is None:
+            self._iterator = self._epoch_iterator()
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self.epoch += 1
+            self._iterator = self._epoch_iterator()
+            return next(self._iterator)
+
+
+def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: int) -> tuple[int, int]:
+    """``(micro-batches left in the optimizer step containing iteration it,
+    loss_factor the wrapper divides their losses by)``.
+
+    Mirrors ``OptimWrapper.scale_loss``: windows of ``accumulative_counts``
+    micro-batches starting at multiples of it, the last one shorter (and
+    scaled by its own length) when ``max_iters`` is not a multiple. DeepSpeed
+    scales by its ``gradient_accumulation_steps``.
+
+    >>> optimizer_step_window(OptimWrapper(opt, accumulative_counts=4), model, 8, 10)
+    (2, 2)
+    """
+    gas = getattr(getattr(model, "model", None), "gradient_accumulation_steps", None)
+    if type(model).__name__ == "MMDeepSpeedEngineWrapper" and callable(gas):
+        accum = int(gas())
+        return min(accum - it % accum, max_iters - it), accum
+    accum = int(getattr(optim_wrapper, "_accumulative_counts", 1))
+    if accum == 1:
+        return 1, 1
+    remainder = max_iters % accum
+    factor = remainder if remainder and it >= max_iters - remainder else accum
+    return min(accum - it % accum, max_iters - it), factor
+
+
+@BUILDER.register_module()
+class TrainLoop(IterBasedTrainLoop):
+    """XTuner-compatible train loop: give ``max_epochs`` or ``max_iters``.
+
+    >>> train_cfg = dict(type=TrainLoop, max_epochs=3)   # 3 passes over the data
+    >>> train_cfg = dict(type=TrainLoop, max_iters=200)  # 200 micro-batches
+    """
+
+    def __init__(self, runner, dataloader, max_iters: int | None = None,
+                 max_epochs: int | float | None = None, **kwargs) -> None:
+        if (max_iters is None) == (max_epochs is None):
+            raise ValueError("train_cfg: give exactly one of max_epochs and max_iters "
+                             f"(got max_epochs={max_epochs!r}, max_iters={max_iters!r})")
+        if max_epochs is not None:
+            if isinstance(dataloader, dict):
+                dataloader = runner.build_dataloader(
+                    dataloader, seed=runner.seed,
+                    diff_rank_seed=runner._randomness_cfg.get("diff_rank_seed", False))
+            max_iters = int(math.ceil(max_epochs * len(dataloader)))
+        super().__init__(runner, dataloader, max_iters=int(max_iters), **kwargs)
+        self._max_epochs = max_epochs if max_epochs is not None else math.ceil(max_iters / len(self.dataloader))
+        self._pending: list = []  # micro-batches of the current optimizer step, looked ahead
+
+    @property
+    def iters_per_epoch(self) -> int:
+        return len(self.dataloader)
+
+    def run(self):
+        self.runner.call_hook("before_train")
+        self.runner.call_hook("before_train_epoch")
+        self.dataloader_iterator = _ResumableBatches(self.dataloader, self._iter)
+        # Restore RNG last, after the before_train hooks (a generation hook may
+        # run there) and the data fast-forward, so the next iteration draws
+        # exactly what it drew in the uninterrupted run.
+        if self._iter > 0:
+            restore_rng_state(self.runner)
+        if self._iter > 0:
+            print_log(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
+                      f"batch {self._iter % self.iters_per_epoch} of {self.iters_per_epoch})",
+                      logger="current", level=logging.INFO)
+        while self._iter < self._max_iters and not self.stop_training:
+            self.runner.model.train()
+            self._epoch = self.dataloader_iterator.epoch
+            self.run_iter(self._next_batch())
+            self._decide_current_val_interval()
+            if (self.runner.val_loop is not None and self._iter >= self.val_begin
+                    and (self._iter % self.val_interval == 0 or self._iter == self._max_iters)):
+                self.runner.val_loop.run()
+        self.runner.call_hook("after_train_epoch")
+        self.runner.call_hook("after_train")
+        return self.runner.model
+
+    def _next_batch(self) -> dict:
+        """The next micro-batch, with the step-wide ``loss_normalizer`` set."""
+        if not self._pending:
+            size, loss_factor = optimizer_step_window(
+                self.runner.optim_wrapper, self.runner.model, self._iter, self._max_iters)
+            self._pending = [next(self.dataloader_iterator) for _ in range(size)]
+            self._set_loss_normalizer(self._pending, loss_factor)
+        return self._pending.pop(0)
+
+    def _set_loss_normalizer(self, batches: list, loss_factor: int) -> None:
+        model = unwrap_model(self.runner.model)
+        count_fn = getattr(model, "count_loss_units", None)
+        if count_fn is None:  # a model without the contract: keep its own normalisation
+            return
+        import torch
+
+        local = sum(int(count_fn(batch["data"])) for batch in batches)
+        total = torch.tensor(float(local), dtype=torch.float64)
+        all_reduce(total, op="sum")
+        # Guard: a step with no trained token at all contributes zero loss.
+        normalizer = max(total.item(), 1.0) / (loss_factor * get_world_size())
+        for batch in batches:
+            batch["data"]["loss_normalizer"] = normalizer

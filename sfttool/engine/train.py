@@ -1,0 +1,330 @@
+"""The train entry, in build order:
+
+    config -> validate -> process group -> seed -> dataset (rank 0 first)
+    -> model -> runner (mmengine Runner, or FlexibleRunner for DeepSpeed)
+    -> train -> HF export (work_dir/hf_adapter or work_dir/hf_model)
+
+The process group comes first because building the dataset waits on it
+(rank 0 preprocesses, the others then read the cache) and the seed comes
+before the model so every rank starts from the same LoRA initialisation.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from sfttool import compat
+from sfttool.config import ConfigError, load_config, validate_config
+from sfttool.registry import build, resolve_type
+
+# Rank 0 may tokenise a large dataset while the others wait: give that wait hours, not NCCL's minutes.
+PREPROCESS_TIMEOUT_S = float(os.environ.get("SFTTOOL_PREPROCESS_TIMEOUT", 6 * 3600))
+
+
+def train(config: str, work_dir: str | None = None, deepspeed: str | None = None, resume: str | None = None,
+          seed: int | None = None, cfg_options: list[str] | dict | None = None,
+          trust_remote_code: bool = False) -> Path:
+    """Run one training process (``torchrun`` starts one per device). Returns the work dir."""
+    compat.apply_training()
+    announce_config(config)
+    cfg = load_config(config, cfg_options)
+    errors = validate_config(cfg, cfg.filename)
+    if errors:
+        raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    remote_code_policy(cfg, trust_remote_code)
+    work_dir = Path(work_dir or cfg.get("work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
+    from sfttool.engine.safety import check_work_dir_writable
+    check_work_dir_writable(work_dir)  # fail now, not at the first checkpoint hours later
+    seed = _seed(cfg, seed)
+    resolve_resume(resume, work_dir)  # a bad --resume or --deepspeed fails before any building
+    if deepspeed:
+        from sfttool.engine.deepspeed import deepspeed_config
+        deepspeed_config(deepspeed, cfg)
+        compat.limit_cpu_threads()
+    launcher = init_distributed(cfg, deepspeed is not None)
+
+    from mmengine.runner import set_random_seed
+    set_random_seed(seed)
+    dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
+    model = build(cfg.model, "model")
+    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume)
+    from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
+    with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
+        runner.train()
+    save_hf(runner, cfg, work_dir)
+    return work_dir
+
+
+def announce_config(config: str) -> None:
+    """Configs are Python and are executed: say which file, before running it."""
+    from sfttool.config import find_config
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[sfttool] executing config {find_config(config)}", flush=True)
+
+
+def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
+    """trust_remote_code is off unless the config or --trust-remote-code asks; warn when on."""
+    import warnings
+
+    from sfttool.engine.safety import apply_trust_remote_code, remote_code_warning
+
+    allowed = apply_trust_remote_code(cfg, trust_remote_code)
+    if allowed:
+        warnings.warn(remote_code_warning(allowed), stacklevel=2)
+
+
+def _seed(cfg: Any, seed: int | None) -> int:
+    if seed is not None:
+        return seed
+    randomness = cfg.get("randomness") or {}
+    return int(randomness.get("seed") if randomness.get("seed") is not None else cfg.get("seed", 0) or 0)
+
+
+# ---------------------------------------------------------------------------
+# Processes
+
+def init_distributed(cfg: Any, deepspeed: bool) -> str:
+    """Create the process group when there is more than one process (or for
+    DeepSpeed, which always needs one); return mmengine's launcher name."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not deepspeed:
+        return "none"
+    if world == 1:  # DeepSpeed in a single process: a group of one
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+            os.environ.setdefault(key, value)
+    if not dist.is_initialized():
+        backend = compat.cpu_dist_backend(((cfg.get("env_cfg") or {}).get("dist_cfg") or {}).get("backend"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend=backend)
+        elif world > 1:
+            compat.init_cpu_process_group()
+        else:
+            dist.init_process_group(backend="gloo")
+    return "pytorch" if world > 1 else "none"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_dataset_rank0_first(dataset_cfg: Any) -> Any:
+    """Rank 0 builds (and caches) the dataset while the others wait on a
+    barrier with a long timeout; then they build it too, from the cache when
+    the pipeline has one (the build is deterministic either way)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return build(dataset_cfg, "train_dataloader.dataset")
+    patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PREPROCESS_TIMEOUT_S))
+    if dist.get_rank() == 0:
+        dataset = build(dataset_cfg, "train_dataloader.dataset")
+        dist.barrier(group=patient)
+    else:
+        dist.barrier(group=patient)
+        dataset = build(dataset_cfg, "train_dataloader.dataset")
+    return dataset
+
+
+# ---------------------------------------------------------------------------
+# The runner
+
+def dataloader_cfg(cfg: Any, dataset: Any) -> dict:
+    """``train_dataloader`` with the built dataset and resolved callables
+    (mmengine's registries do not know dotted paths a dumped config holds)."""
+    dl = dict(cfg.train_dataloader)
+    dl["dataset"] = dataset
+    collate = dl.get("collate_fn")
+    if isinstance(collate, dict):
+        args = {k: v for k, v in collate.items() if k != "type"}
+        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], "train_dataloader.collate_fn.type"),
+                                             **args)
+    sampler = dl.get("sampler")
+    if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
+        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], "train_dataloader.sampler.type"))
+    return dl
+
+
+def iters_per_epoch(cfg: Any, dataset: Any) -> int:
+    """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares)."""
+    from mmengine.dist import get_world_size
+
+    share = -(-len(dataset) // get_world_size())
+    return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
+
+
+def train_loop_cfg(cfg: Any) -> dict:
+    from sfttool.engine.runner import TrainLoop
+
+    loop = dict(cfg.train_cfg)
+    loop["type"] = resolve_type(loop["type"], "train_cfg.type") if "type" in loop else TrainLoop
+    return loop
+
+
+def total_iters(loop: dict, per_epoch: int) -> int:
+    if loop.get("max_iters") is not None:
+        return int(loop["max_iters"])
+    return int(-(-float(loop["max_epochs"]) * per_epoch // 1))
+
+
+def optim_wrapper_cfg(cfg: Any) -> dict:
+    ow = compat.cpu_optim_wrapper_type(dict(cfg.optim_wrapper))
+    try:
+        from sfttool.engine.nonfinite import guard_optim_wrapper_cfg
+    except ImportError:  # the guard is optional
+        return ow
+    return guard_optim_wrapper_cfg(ow)
+
+
+def hooks(cfg: Any) -> tuple[dict, list]:
+    """(default_hooks, custom_hooks): the checkpoint hook made atomic, our
+    hooks built with sfttool's builder (their tokenizer configs too), RNG
+    state saved for exact resume."""
+    from sfttool.engine.checkpoint import AtomicCheckpointHook, RNGStateHook
+
+    default = dict(cfg.get("default_hooks") or {})
+    ckpt = dict(default.get("checkpoint") or {})
+    ckpt.pop("type", None)
+    ckpt["by_epoch"] = False  # TrainLoop counts iterations
+    default["checkpoint"] = AtomicCheckpointHook(**ckpt)
+    custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
+    return default, custom + [RNGStateHook()] + _preemption_hook(custom)
+
+
+def _preemption_hook(custom: list) -> list:
+    """SIGTERM/SIGINT -> checkpoint at the next step boundary, exit 128+signal
+    (every run gets it unless the config lists its own)."""
+    from sfttool.engine.hooks.preemption_hook import PreemptionHook
+
+    return [] if any(isinstance(h, PreemptionHook) for h in custom) else [PreemptionHook()]
+
+
+def _build_hook(hook: Any, key: str) -> Any:
+    if isinstance(hook, dict) and isinstance(hook.get("type"), str) and "." not in hook["type"]:
+        try:
+            resolve_type(hook["type"], key)
+        except Exception:
+            return hook  # a name in mmengine's own hook registry: mmengine builds it
+    return build(hook, key)
+
+
+def resolve_resume(resume: str | None, work_dir: Path) -> str | None:
+    """``--resume`` (auto) -> newest complete checkpoint in the work dir; a path -> itself."""
+    from sfttool.engine.checkpoint import find_latest_checkpoint
+
+    if not resume:
+        return None
+    if resume == "auto":
+        latest = find_latest_checkpoint(work_dir)
+        if latest is None:
+            raise ConfigError(f"--resume: no checkpoint (iter_*.pth) in {work_dir}; "
+                              "train without --resume or pass a checkpoint path")
+        return str(latest)
+    if not Path(resume).exists():
+        raise ConfigError(f"--resume {resume}: no such checkpoint")
+    return str(Path(resume).resolve())
+
+
+def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,
+                 deepspeed: str | None, resume: str | None):
+    from sfttool.engine.schedulers import resolve_param_schedulers
+
+    loop = train_loop_cfg(cfg)
+    per_epoch = iters_per_epoch(cfg, dataset)
+    default_hooks, custom_hooks = hooks(cfg)
+    resume_from = resolve_resume(resume, work_dir)
+    env_cfg = dict(cfg.get("env_cfg") or {})
+    env_cfg["dist_cfg"] = dict(env_cfg.get("dist_cfg") or {})
+    if launcher != "none":  # one process needs no backend: no warning about nccl then
+        env_cfg["dist_cfg"]["backend"] = compat.cpu_dist_backend(env_cfg["dist_cfg"].get("backend"))
+    common = dict(
+        model=model, work_dir=str(work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
+        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch,
+                                                 total_iters(loop, per_epoch)),
+        default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=launcher, env_cfg=env_cfg,
+        log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
+        visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),
+        resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg)
+    if deepspeed:
+        return _deepspeed_runner(cfg, model, deepspeed, common)
+    from mmengine.runner import Runner
+
+    if launcher != "none":  # the Runner reads the wrapper from its cfg
+        common["cfg"] = cfg = copy.deepcopy(cfg)
+        cfg.model_wrapper_cfg = compat.cpu_ddp_wrapper_cfg(cfg.get("model_wrapper_cfg"),
+                                                           cfg.get("find_unused_parameters", False))
+    return Runner(optim_wrapper=optim_wrapper_cfg(cfg), **common)
+
+
+def _deepspeed_runner(cfg: Any, model: Any, deepspeed: str, common: dict):
+    from mmengine.runner._flexible_runner import FlexibleRunner
+
+    from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
+
+    ds = deepspeed_config(deepspeed, cfg)
+    strategy = deepspeed_strategy(ds, lora=bool(getattr(model, "use_lora", False)))
+    return FlexibleRunner(strategy=strategy, optim_wrapper=_guarded(deepspeed_optim_wrapper(dict(cfg.optim_wrapper)),
+                                                                    cfg.optim_wrapper), **common)
+
+
+def _guarded(ds_wrapper: dict, user_cfg: Any) -> dict:
+    """The non-finite loss guard on DeepSpeed's wrapper (counts and stops; DeepSpeed skips)."""
+    from sfttool.engine.nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, guard_optim_wrapper_cfg
+
+    limit = user_cfg.get("max_consecutive_nonfinite", DEFAULT_MAX_CONSECUTIVE_NONFINITE)
+    return guard_optim_wrapper_cfg(dict(ds_wrapper, max_consecutive_nonfinite=limit))
+
+
+# ---------------------------------------------------------------------------
+# HF export
+
+def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
+    """LoRA: ``work_dir/hf_adapter`` (peft adapter, loadable with
+    ``PeftModel.from_pretrained``); full fine-tune: ``work_dir/hf_model``. The
+    tokenizer is saved beside it. Under ZeRO-3 the weights are gathered first."""
+    from mmengine.dist import barrier, is_main_process
+
+    from sfttool.engine.runner import unwrap_model
+
+    model = unwrap_model(runner.model)
+    llm = getattr(model, "llm", None)
+    if llm is None:
+        return None
+    out = work_dir / ("hf_adapter" if getattr(model, "use_lora", False) else "hf_model")
+    with _gathered(runner.model, model):
+        if is_main_process():
+            llm.save_pretrained(str(out), safe_serialization=True)
+            tokenizer = cfg.get("tokenizer")
+            if tokenizer is not None:
+                build(tokenizer, "tokenizer").save_pretrained(str(out))
+            # `sfttool chat` and `convert merge` read the training template from it.
+            cfg.dump(str(out / "sfttool_config.py"))
+            runner.logger.info(f"Saved the {'adapter' if out.name == 'hf_adapter' else 'model'} to {out}")
+    barrier()
+    return out
+
+
+def _gathered(wrapped: Any, model: Any):
+    """ZeRO-3 partitions parameters across ranks: gather them for saving."""
+    import contextlib
+
+    engine = getattr(wrapped, "model", None)
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    if callable(partitioned) and partitioned():
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()

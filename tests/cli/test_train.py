@@ -1,0 +1,76 @@
+"""`sfttool train` from the command line: in-process for one process, torchrun for more."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sfttool.cli.main import cli
+
+ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
+if str(ENGINE_TESTS) not in sys.path:
+    sys.path.insert(0, str(ENGINE_TESTS))
+
+from engine_helpers import write_config  # noqa: E402
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    return write_config(tmp_path / "tiny.py", tiny_qwen2_dir, tiny_sft_jsonl, max_epochs=0.2, save_steps=4)
+
+
+@pytest.mark.slow
+def test_train_runs_in_process(tmp_path, tiny_cfg):
+    work = tmp_path / "work"
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--seed", "3",
+                                      "--cfg-options", "default_hooks.logger.interval=2"])
+    assert result.exit_code == 0, result.output
+    assert f"outputs in {work}" in result.output
+    assert (work / "hf_adapter" / "adapter_config.json").is_file()
+    assert (work / "iter_8.pth").is_file()
+
+    # --resume with the run finished: picks iter_8 and ends at once, same outputs
+    again = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--resume"])
+    assert again.exit_code == 0, again.output
+
+
+def test_resume_in_an_empty_work_dir_is_a_one_line_error(tmp_path, tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "none"), "--resume"])
+    assert result.exit_code == 1
+    assert "Error: --resume: no checkpoint" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unknown_deepspeed_preset_is_a_one_line_error(tmp_path, tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "w"),
+                                      "--deepspeed", "zero9"])
+    assert result.exit_code == 1
+    assert "no such preset" in result.output and "zero2_offload" in result.output
+
+
+def test_worker_command_line(monkeypatch):
+    from sfttool.cli.train import _worker_args
+    from sfttool.engine.launch import plan_from_env, torchrun_command
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name, value in (("NPROC_PER_NODE", "4"), ("NNODES", "2"), ("NODE_RANK", "1"), ("ADDR", "10.0.0.1"),
+                        ("PORT", "29511")):
+        monkeypatch.setenv(name, value)
+    plan = plan_from_env()
+    assert (plan.nproc_per_node, plan.world_size) == (4, 8)
+    assert plan_from_env(nproc_per_node=2).nproc_per_node == 2  # the flag wins over the environment
+    args = _worker_args("cfg.py", "wd", "zero2", "auto", 5, ("a=1",))
+    assert args == ["cfg.py", "--work-dir", "wd", "--deepspeed", "zero2", "--resume", "auto", "--seed", "5",
+                    "--cfg-options", "a=1"]
+    cmd = torchrun_command(plan, args)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--master-addr=10.0.0.1" in cmd
+    assert "--master-port=29511" in cmd
+    assert cmd[-len(args) - 2:] == ["sfttool.cli.main", "train", *args]
+
+
+def test_bad_nproc_is_a_one_line_error(tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--nproc-per-node", "0"])
+    assert result.exit_code == 1 and "at least 1" in result.output

@@ -1,0 +1,174 @@
+"""Hooks the engine tests put into configs (by dotted path: ``engine_helpers.X``)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from mmengine.hooks import Hook
+
+TINY_CONFIG = '''
+from datasets import load_dataset
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook, IterTimerHook, LoggerHook, ParamSchedulerHook, DistSamplerSeedHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from peft import LoraConfig
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttool.dataset import process_hf_dataset
+from sfttool.dataset.collate_fns import default_collate_fn
+from sfttool.dataset.map_fns import template_map_fn_factory
+from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.model import SupervisedFinetune
+from sfttool.utils import PROMPT_TEMPLATE
+
+model_dir = {model_dir!r}
+data_file = {data_file!r}
+prompt_template = PROMPT_TEMPLATE.qwen_chat
+max_length = 128
+batch_size = {batch_size}
+accumulative_counts = {accumulative_counts}
+max_epochs = {max_epochs}
+lr = {lr}
+seed = 7
+
+tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=model_dir)
+model = dict(
+    type=SupervisedFinetune,
+    use_activation_checkpointing=False,
+    llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=model_dir,
+             dtype='float32'{quant}),
+    lora={lora})
+
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files=data_file),
+    tokenizer=tokenizer, max_length=max_length,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    pack_to_max_length=True, shuffle_before_pack=True, map_num_proc=1, seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size, num_workers=0, dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=default_collate_fn))
+
+optim_wrapper = dict(
+    type=AmpOptimWrapper, dtype='bfloat16', loss_scale='dynamic',
+    optimizer=dict(type=AdamW, lr=lr, betas=(0.9, 0.999), weight_decay=0),
+    clip_grad=dict(max_norm=1, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts)
+
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, begin=0, end=0.03 * max_epochs,
+         convert_to_iter_based=True),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, begin=0.03 * max_epochs, end=max_epochs,
+         convert_to_iter_based=True),
+]
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+custom_hooks = {custom_hooks}
+default_hooks = dict(
+    timer=dict(type=IterTimerHook),
+    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=1),
+    param_scheduler=dict(type=ParamSchedulerHook),
+    sampler_seed=dict(type=DistSamplerSeedHook),
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval={save_steps}, max_keep_ckpts={keep}))
+env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
+               dist_cfg=dict(backend='nccl'))
+log_processor = dict(by_epoch=False)
+randomness = dict(seed=seed, deterministic=False)
+'''
+
+LORA = "dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', task_type='CAUSAL_LM')"
+QUANT = (", quantization_config=dict(type='transformers.BitsAndBytesConfig', load_in_4bit=True, "
+         "bnb_4bit_compute_dtype='float32', bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=False)")
+
+
+def write_config(path: Path, model_dir, data_file, *, batch_size=1, accumulative_counts=2, max_epochs=2,
+                 lr=1e-3, lora=True, dropout=0.1, qlora=False, save_steps=8, keep=2,
+                 custom_hooks="[]") -> Path:
+    text = TINY_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), batch_size=batch_size,
+                              accumulative_counts=accumulative_counts, max_epochs=max_epochs, lr=lr,
+                              lora=LORA.format(dropout=dropout) if lora else "None",
+                              quant=QUANT if qlora else "", save_steps=save_steps, keep=keep,
+                              custom_hooks=custom_hooks)
+    path.write_text(text)
+    return path
+
+
+
+class Interrupted(RuntimeError):
+    """Raised by ``StopAfterIter`` to simulate a run killed after a checkpoint."""
+
+
+class StopAfterIter(Hook):
+    """Raise after iteration ``n`` (after the checkpoint hook has run)."""
+
+    priority = "LOWEST"
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        if runner.iter + 1 == self.n:
+            raise Interrupted(f"stopped after iteration {self.n}")
+
+
+class DumpWeightsHook(Hook):
+    """After training, each rank writes its full trainable weights to
+    ``work_dir/weights_rank<r>.pt`` (gathered first under ZeRO-3)."""
+
+    priority = "LOWEST"
+
+    def after_train(self, runner):
+        import contextlib
+
+        from mmengine.dist import get_rank
+
+        from sfttool.engine.runner import unwrap_model
+
+        model = unwrap_model(runner.model)
+        params = [p for p in model.parameters()]
+        engine = getattr(runner.model, "model", None)
+        zero3 = callable(getattr(engine, "zero_optimization_partition_weights", None)) \
+            and engine.zero_optimization_partition_weights()
+        ctx = contextlib.nullcontext()
+        if zero3:
+            import deepspeed
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        with ctx:
+            state = {n: p.detach().clone().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save(state, os.path.join(runner.work_dir, f"weights_rank{get_rank()}.pt"))
+
+
+def logged(work_dir, key: str = "loss") -> list[float]:
+    """Values of ``key`` per logged iteration, from the newest run's ``vis_data/scalars.json``."""
+    import json
+    from pathlib import Path
+
+    runs = sorted(p for p in Path(work_dir).glob("*/vis_data/scalars.json"))
+    values = []
+    for line in runs[-1].read_text().splitlines():
+        record = json.loads(line)
+        if key in record:
+            values.append(record[key])
+    return values
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+class FailOnRank(Hook):
+    """Raise on one rank before training: the launcher must exit non-zero."""
+
+    def __init__(self, rank: int = 1):
+        self.rank = rank
+
+    def before_train(self, runner):
+        from mmengine.dist import get_rank
+
+        if get_rank() == self.rank:
+            raise RuntimeError(f"rank {self.rank} failed on purpose")

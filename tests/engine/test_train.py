@@ -1,0 +1,86 @@
+"""`sfttool.engine.train.train` end to end on a tiny LoRA config (single process)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_helpers import logged, mean, write_config
+
+HOOKS = """[
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=10, max_new_tokens=8,
+         evaluation_inputs=['hello world?', 'the cat?'], system='You are a helpful assistant.',
+         prompt_template=prompt_template),
+    dict(type=ThroughputHook),
+]"""
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl):
+    from sfttool.engine.train import train
+
+    root = tmp_path_factory.mktemp("lora_run")
+    cfg = write_config(root / "tiny_lora.py", tiny_qwen2_dir, tiny_sft_jsonl, lr=5e-3, max_epochs=2,
+                       save_steps=10, keep=2, custom_hooks=HOOKS)
+    work_dir = train(str(cfg), work_dir=str(root / "work"))
+    return work_dir
+
+
+@pytest.mark.slow
+def test_loss_falls(lora_run):
+    losses = logged(lora_run)
+    assert len(losses) == 80  # 40 packed rows x 2 epochs, logged every iteration
+    assert mean(losses[-10:]) < mean(losses[:10]) - 0.2
+
+
+@pytest.mark.slow
+def test_work_dir_layout(lora_run):
+    names = {p.name for p in lora_run.iterdir()}
+    assert "tiny_lora.py" in names  # the dumped config
+    # every 10 iterations, newest 2 kept, no unfinished save left behind
+    assert sorted(n for n in names if n.startswith("iter_")) == ["iter_70.pth", "iter_80.pth"]
+    assert (lora_run / "last_checkpoint").read_text().endswith("iter_80.pth")
+    assert list(lora_run.glob("*/*.log")), "no text log"
+    log = next(lora_run.glob("*/*.log")).read_text()
+    for field in ("loss:", "lr:", "grad_norm:", "tokens_per_sec:", "eta:"):
+        assert field in log
+
+
+@pytest.mark.slow
+def test_adapter_loads_with_peft(lora_run, tiny_qwen2_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(lora_run / "hf_adapter"))
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained (lora_B starts at zero)
+    assert (lora_run / "hf_adapter" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_generation_hook_outputs(lora_run):
+    files = sorted(p.name for p in (lora_run / "eval_outputs").glob("*.jsonl"))
+    # before training, every 10 iterations, after training (iter 80 written once more)
+    assert files == sorted({f"iter_{i}.jsonl" for i in range(0, 81, 10)})
+    records = [json.loads(line) for line in (lora_run / "eval_outputs" / "iter_0.jsonl").read_text().splitlines()]
+    assert [r["input"] for r in records] == ["hello world?", "the cat?"]
+    assert records[0]["prompt"].startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert records[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert not any(stop in r["output"] for r in records for stop in ("<|im_end|>", "<|endoftext|>"))
+
+
+@pytest.mark.slow
+def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.engine.train import train
+
+    work_dir = train(str(tiny_config(lora=False, max_epochs=0.2, save_steps=4)), work_dir=str(tmp_path / "w"))
+    trained = AutoModelForCausalLM.from_pretrained(work_dir / "hf_model", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    assert (work_dir / "hf_model" / "tokenizer_config.json").is_file()
+    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert len(changed) == len(list(base.parameters()))  # every weight trained
