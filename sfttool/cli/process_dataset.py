@@ -1,11 +1,49 @@
-"""`sfttool process-dataset`."""
+"""`sfttool process-dataset CONFIG --out DIR`: tokenize and pack once, train many times."""
 from __future__ import annotations
 
 import click
 
+from sfttool.cli.errors import register_user_error, user_errors
+
 
 @click.command("process-dataset")
 @click.argument("config")
-def process_dataset(config) -> None:
-    """Not available yet."""
-    raise click.ClickException("`sfttool process-dataset` is not available yet in this build")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder to write (Arrow shards in data/, plus manifest.json).")
+@click.option("--num-proc", type=click.IntRange(min=1), default=None,
+              help="Processes for tokenizing, packing and writing (default: the config's map_num_proc).")
+@click.option("--shard-rows", type=click.IntRange(min=1), default=200_000, show_default=True,
+              help="Raw rows tokenized and packed together; memory follows this, not the dataset size.")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset already saved in --out.")
+@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@user_errors
+def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, cfg_options) -> None:
+    """Run CONFIG's dataset pipeline once and save the result to --out.
+
+    Then point the config at it instead of re-processing on every run:
+
+    \b
+        from sfttool.tools.process_dataset import load_processed_dataset
+        train_dataset = dict(type=load_processed_dataset, path='DIR')
+    """
+    from sfttool.config import load_config
+    from sfttool.tools.process_dataset import ProcessedDatasetError, process_dataset as run
+
+    register_user_error(ProcessedDatasetError)
+    _register_dataset_error()
+    cfg = load_config(config, list(cfg_options))
+    manifest = run(cfg, out_dir, num_proc=num_proc, overwrite=overwrite, shard_rows=shard_rows)
+    efficiency = manifest["packing_efficiency"]
+    click.echo(f"Saved {manifest['rows']} rows, {manifest['tokens']} tokens "
+               f"({manifest['trained_tokens']} trained) in {len(manifest['shards'])} shard(s) to {out_dir}")
+    if efficiency is not None:
+        click.echo(f"Packing efficiency {efficiency:.1%} of {manifest['max_length']} tokens per row; "
+                   f"fingerprint {manifest['fingerprint']}")
+    click.echo(f"Use it with: train_dataset = dict(type=load_processed_dataset, path={str(out_dir)!r})")
+
+
+def _register_dataset_error() -> None:
+    """Bad data found while processing is a user error too (pipeline's DatasetError)."""
+    from sfttool.dataset.errors import DatasetError
+
+    register_user_error(DatasetError)

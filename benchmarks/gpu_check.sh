@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU readiness check (< 8 min on one H200, no download): LoRA and QLoRA steps of a
+# Llama-3-8B-shaped model with random weights, bf16, SDPA and flash-attention varlen
+# (when installed), packed rows of 2048 and 8192 tokens; prints tokens/s per GPU, MFU
+# and peak memory, writes gpu_check.json to $OUT (or benchmarks/results/).
+#
+#   bash benchmarks/gpu_check.sh                  # on the GPU machine
+#   bash benchmarks/gpu_check.sh --dry-run        # anywhere: tiny shapes on CPU
+#   bash benchmarks/gpu_check.sh --arch qwen2.5-7b --lengths 2048
+#
+# Packages the machine lacks are taken from wheels carried in .whl/ (see
+# benchmarks/README.md): they are installed once into $SFTTOOL_SITE (default
+# /tmp/sfttool-site) with no index and no dependency resolution.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py="${PYTHON:-$(command -v python3 || command -v python)}"
+site="${SFTTOOL_SITE:-/tmp/sfttool-site}"
+if compgen -G ".whl/*.whl" > /dev/null && [ ! -e "$site/.installed" ]; then
+    "$py" -m pip install --quiet --no-index --no-deps --target "$site" .whl/*.whl
+    touch "$site/.installed"
+fi
+# This checkout first, then the carried wheels, then whatever the machine has.
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+missing=$("$py" - <<'EOF'
+import importlib.util
+need = ["torch", "transformers", "accelerate", "peft", "bitsandbytes", "mmengine", "safetensors"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+    echo "gpu_check: missing Python packages: $missing" >&2
+    echo "gpu_check: carry their wheels in .whl/ (benchmarks/README.md, 'Carrying wheels')" >&2
+    exit 2
+fi
+
+out_dir="${OUT:-benchmarks/results}"
+# Hard stop below 8 minutes; the script itself skips cases that would start after --budget-s.
+exec timeout 470 "$py" benchmarks/gpu_check.py --out "$out_dir/gpu_check.json" "$@"

@@ -1,0 +1,238 @@
+"""Tokenize and pack a config's training dataset once, save it, and load it back.
+
+``process_dataset(cfg, out)`` builds ``train_dataloader.dataset`` exactly as
+training does (usually ``process_hf_dataset``), on ``num_proc`` processes, and
+saves it with ``datasets``' ``save_to_disk`` next to a ``manifest.json``. A
+config then trains from the saved rows without re-tokenizing::
+
+    from sfttool.tools.process_dataset import load_processed_dataset
+    train_dataset = dict(type=load_processed_dataset, path='processed/alpaca')
+
+Memory stays bounded on data larger than RAM: the raw rows are processed one
+shard at a time, every ``datasets`` file is memory-mapped, and the statistics
+are computed one Arrow batch at a time (docs/scale.md has the measurements).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sfttool.registry import BUILDER, build, resolve_type
+
+MANIFEST = "manifest.json"
+DATA_DIR = "data"
+MANIFEST_VERSION = 1
+TOKEN_COLUMNS = ("input_ids", "labels", "position_ids", "sample_lengths")
+
+
+class ProcessedDatasetError(Exception):
+    """A processed dataset cannot be written or read; the message says how to fix it."""
+
+
+def dataset_config(cfg) -> dict:
+    """The node training builds its dataset from: ``train_dataloader.dataset``."""
+    node = cfg.get("train_dataloader", {}).get("dataset") if hasattr(cfg, "get") else None
+    if not isinstance(node, dict) or "type" not in node:
+        raise ProcessedDatasetError(
+            f"{cfg.filename}: no `train_dataloader.dataset` with a `type` to process; "
+            "set train_dataloader = dict(dataset=dict(type=process_hf_dataset, ...), ...)")
+    # A deep copy, not ``to_dict()``: that would turn imported objects into dotted strings.
+    return copy.deepcopy(node)
+
+
+def with_num_proc(node: dict, num_proc: int | None) -> dict:
+    """Set the builder's process count (``map_num_proc`` as in XTuner, or ``num_proc``).
+
+    >>> with_num_proc({'type': process_hf_dataset, 'map_num_proc': 32}, 4)['map_num_proc']
+    4
+    """
+    if num_proc is None:
+        return node
+    params = inspect.signature(resolve_type(node["type"], "train_dataloader.dataset.type")).parameters
+    for name in ("map_num_proc", "num_proc"):
+        if name in params:
+            return {**node, name: num_proc}
+    raise ProcessedDatasetError(
+        f"train_dataloader.dataset: {node['type']!r} takes no `map_num_proc`/`num_proc` argument; "
+        "drop --num-proc or process a `process_hf_dataset` node")
+
+
+def config_hash(node: dict) -> str:
+    """A stable hash of the dataset node, to tell whether a saved dataset is stale."""
+    text = json.dumps(node, sort_keys=True, default=_describe)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _describe(obj: Any) -> str:
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{getattr(obj, '__module__', '')}.{obj.__qualname__}"
+    return repr(obj)
+
+
+def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> dict:
+    """Rows, tokens, trained tokens, packing efficiency and a content fingerprint,
+    one Arrow batch at a time (memory stays at one batch).
+
+    Packing efficiency = tokens / (rows x max_length): the share of each row's
+    ``max_length`` slots that hold real tokens rather than padding. The
+    fingerprint hashes the token columns, so equal data gives an equal value.
+    """
+    import pyarrow.compute as pc
+
+    if "input_ids" not in dataset.column_names:
+        raise ProcessedDatasetError("the processed dataset has no `input_ids` column: it is not encoded")
+    columns = [c for c in TOKEN_COLUMNS if c in dataset.column_names]
+    digest = hashlib.sha256()
+    rows = tokens = trained = 0
+    for table in dataset.with_format("arrow").iter(batch_size=batch_size):
+        rows += table.num_rows
+        tokens += pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0
+        for name in columns:
+            digest.update(name.encode())
+            digest.update(pc.list_value_length(table[name]).to_numpy(zero_copy_only=False).tobytes())
+            digest.update(pc.list_flatten(table[name]).to_numpy(zero_copy_only=False).tobytes())
+        if "labels" in columns:
+            labels = pc.list_flatten(table["labels"])
+            trained += pc.sum(pc.not_equal(labels, -100).cast("int64")).as_py() or 0
+    efficiency = tokens / (rows * max_length) if rows and max_length else None
+    return {"rows": rows, "tokens": tokens, "trained_tokens": trained,
+            "packing_efficiency": None if efficiency is None else round(efficiency, 4),
+            "fingerprint": digest.hexdigest()[:16]}
+
+
+DEFAULT_SHARD_ROWS = 200_000
+
+
+def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overwrite: bool = False,
+                    shard_rows: int = DEFAULT_SHARD_ROWS) -> dict:
+    """Build ``cfg.train_dataloader.dataset`` and save it under ``out_dir``; return the manifest.
+
+    A ``process_hf_dataset`` node is run on ``shard_rows`` raw rows at a time
+    (each shard tokenized and packed on its own, then saved), so memory follows
+    the shard size, not the dataset size; a dataset of at most ``shard_rows``
+    rows gives exactly the rows training would build. ``out_dir/data/shard-*``
+    hold the Arrow files, ``out_dir/manifest.json`` the fingerprint and counts,
+    written last: its presence means the folder is complete.
+    """
+    out_dir = Path(out_dir)
+    if shard_rows < 1:
+        raise ProcessedDatasetError(f"shard_rows must be at least 1, got {shard_rows}")
+    _prepare_out_dir(out_dir, overwrite)
+    node = with_num_proc(dataset_config(cfg), num_proc)
+    tmp = out_dir / f".{DATA_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    shards = []
+    for i, dataset in enumerate(_shard_datasets(node, shard_rows)):
+        name = f"shard-{i:05d}"
+        dataset.save_to_disk(str(tmp / name))
+        shards.append({"name": name, **dataset_stats(dataset, node.get("max_length"))})
+        del dataset  # the next shard starts from a clean slate
+    tmp.rename(out_dir / DATA_DIR)
+    manifest = _manifest(cfg, node, shards, num_proc, shard_rows)
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _shard_datasets(node: dict, shard_rows: int):
+    """Yield the processed dataset shard by shard (one shard for other builders)."""
+    import datasets
+
+    from sfttool.dataset import process_hf_dataset
+
+    key = "train_dataloader.dataset"
+    if resolve_type(node["type"], f"{key}.type") is not process_hf_dataset:
+        dataset = build(node, key)
+        if not isinstance(dataset, datasets.Dataset):
+            raise ProcessedDatasetError(
+                f"{key} built a {type(dataset).__name__}, not a datasets.Dataset; "
+                "only map-style datasets (process_hf_dataset) can be saved")
+        yield dataset
+        return
+    from sfttool.dataset.pipeline import PipelineReport, resolve_dataset, select_rows
+
+    # Built once for all shards; the saved folder replaces any pipeline cache.
+    args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", "cache_dir")}
+    raw = resolve_dataset(node["dataset"], args.pop("split", "train"))
+    # Row selection is global (the same rows training would pick), sharding comes after.
+    raw = select_rows(raw, args.pop("max_dataset_length", None), args.get("seed", 0), PipelineReport())
+    n_shards = max(1, -(-len(raw) // shard_rows))
+    for i in range(n_shards):
+        part = raw if n_shards == 1 else raw.shard(n_shards, i, contiguous=True)
+        yield process_hf_dataset(dataset=part, **args)
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise ProcessedDatasetError(f"{out_dir}: the folder exists and is not empty; "
+                                        "choose another --out or pass --overwrite")
+        for name in (MANIFEST, DATA_DIR):  # remove only what we wrote, never the user's files
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _manifest(cfg, node: dict, shards: list[dict], num_proc: int | None, shard_rows: int) -> dict:
+    import datasets
+
+    from sfttool import __version__
+
+    max_length = node.get("max_length")
+    totals = {k: sum(s[k] for s in shards) for k in ("rows", "tokens", "trained_tokens")}
+    efficiency = totals["tokens"] / (totals["rows"] * max_length) if totals["rows"] and max_length else None
+    fingerprint = hashlib.sha256(" ".join(s["fingerprint"] for s in shards).encode()).hexdigest()[:16]
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "config": str(cfg.filename),
+        "config_hash": config_hash(node),
+        "fingerprint": fingerprint,
+        "max_length": max_length,
+        "pack_to_max_length": node.get("pack_to_max_length", True),
+        **totals,
+        "packing_efficiency": None if efficiency is None else round(efficiency, 4),
+        "shard_rows": shard_rows,
+        "shards": shards,
+        "num_proc": num_proc,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sfttool_version": __version__,
+        "datasets_version": datasets.__version__,
+    }
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a folder written by ``process_dataset``."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        raise ProcessedDatasetError(
+            f"{path}: not a processed dataset (no {MANIFEST}); "
+            f"create it with `sfttool process-dataset CONFIG --out {path}`")
+    return json.loads(manifest.read_text())
+
+
+@BUILDER.register_module()
+def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = None):
+    """Open a dataset saved by ``sfttool process-dataset`` (memory-mapped, nothing re-tokenized).
+
+    >>> ds = load_processed_dataset('processed/alpaca')
+    >>> ds.column_names
+    ['input_ids', 'labels', 'position_ids', 'sample_lengths']
+    """
+    import datasets
+
+    manifest = read_manifest(path)
+    if expected_fingerprint is not None and manifest["fingerprint"] != expected_fingerprint:
+        raise ProcessedDatasetError(
+            f"{path}: fingerprint {manifest['fingerprint']} differs from the expected "
+            f"{expected_fingerprint}; re-run `sfttool process-dataset` or update expected_fingerprint")
+    parts = [datasets.load_from_disk(str(Path(path) / DATA_DIR / s["name"])) for s in manifest["shards"]]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

@@ -1,0 +1,86 @@
+"""Each benchmark script runs end to end at a minimal size and writes the JSON fields the docs quote.
+
+Not timed tests: figures are only checked to be present and sane.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run(cmd: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    # os.environ already points SFTTOOL_CACHE and the HF caches at this session's temp folder.
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark(tmp_path):
+    out = tmp_path / "pipeline.json"
+    run([sys.executable, str(BENCH / "pipeline.py"), "--rows", "60", "--strategies", "bfd",
+         "--max-length", "512", "--xtuner-max-rows", "60", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["meta"]["max_length"] == 512
+    by_strategy = {r["strategy"]: r for r in report["pipeline"]}
+    bfd = by_strategy["bfd"]
+    assert bfd["rows"] == 60 and bfd["tokens_per_s"] > 0 and bfd["peak_rss_mb"] > 0
+    assert bfd["tokens_lost"] == 0 and bfd["split_samples"] == 0
+    assert 0 < bfd["packing_efficiency"] <= 1
+    assert {e["encoder"] for e in report["encode"]} == {"sfttool", "xtuner"}
+
+
+@pytest.mark.slow
+def test_train_step_benchmark(tmp_path):
+    out = tmp_path / "train_step.json"
+    proc = run([sys.executable, str(BENCH / "train_step.py"), "--models", "tiny", "--methods", "qlora",
+                "--layouts", "packed,unpacked", "--max-length", "128", "--steps", "1", "--warmup", "1",
+                "--overhead-steps", "1", "--out", str(out)], tmp_path)
+    assert "overhead" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "train_step" and report["machine"]["cpu_cores"] >= 1
+    results = {(r["method"], r["layout"]): r for r in report["results"]}
+    assert set(results) == {("qlora", "packed"), ("qlora", "unpacked")}  # each case is a child process
+    for r in results.values():
+        assert r["tokens_per_s"] > 0 and r["peak_mem_mib"] > 0 and r["tokens_per_step"] > 0
+        assert r["memory_kind"] == "peak_rss"
+    packed, unpacked = results[("qlora", "packed")], results[("qlora", "unpacked")]
+    assert 0 < packed["trainable_params"] < packed["params"]  # adapters only
+    # Packed rows carry more real tokens per step than one padded sample per row.
+    assert packed["tokens_per_step"] > unpacked["tokens_per_step"]
+    assert {"bare_step_s", "sfttool_step_s", "overhead_pct"} <= set(packed)
+    assert packed["loss_gap"] < 1e-4  # the bare loop computes the same loss as sfttool
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    proc = run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run"], tmp_path, OUT=str(tmp_path))
+    assert "tokens/s" in proc.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] is True and report["arch"] == "tiny"
+    ran = [r for r in report["results"] if "tokens_per_s" in r]
+    assert {r["method"] for r in ran} == {"qlora", "lora"}
+    for r in ran:
+        assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["attn"] == "sdpa"
+        assert r["max_length"] == 128 and r["mfu"] is None  # no GPU peak to divide by on a CPU
+    assert not [r for r in report["results"] if "error" in r]
+
+
+def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path / "x.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dry-run" in proc.stderr
