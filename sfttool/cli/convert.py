@@ -3,7 +3,53 @@ from __future__ import annotations
 
 import click
 
+from sfttool.cli.errors import register_user_error, user_errors
+
+_SAFE_HELP = "Write safetensors (default) or, with --no-safe-serialization, PyTorch .bin files."
+
 
 @click.group()
 def convert() -> None:
     """Convert checkpoints and merge adapters."""
+
+
+@convert.command("pth_to_hf")
+@click.argument("config")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("save_dir", type=click.Path(file_okay=False))
+@click.option("--safe-serialization/--no-safe-serialization", default=True, show_default=True, help=_SAFE_HELP)
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest weight file of a full model.")
+@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@user_errors
+def pth_to_hf(config, checkpoint, save_dir, safe_serialization, max_shard_size, cfg_options) -> None:
+    """Convert CHECKPOINT (an mmengine .pth or a DeepSpeed checkpoint folder)
+    trained with CONFIG into SAVE_DIR: a peft adapter for LoRA/QLoRA runs, a
+    full HF model otherwise; the tokenizer and the config are saved beside it."""
+    from sfttool.config import load_config
+    from sfttool.tools.convert import ConvertError, pth_to_hf as run
+
+    register_user_error(ConvertError)
+    cfg = load_config(config, list(cfg_options))
+    out = run(cfg, checkpoint, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
+    click.echo(f"Saved to {out}")
+
+
+@convert.command("merge")
+@click.argument("base")
+@click.argument("adapter", type=click.Path(exists=True, file_okay=False))
+@click.argument("save_dir", type=click.Path(file_okay=False))
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+              help="Where to load the base model for merging.")
+@click.option("--safe-serialization/--no-safe-serialization", default=True, show_default=True, help=_SAFE_HELP)
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest weight file.")
+@user_errors
+def merge(base, adapter, save_dir, device, safe_serialization, max_shard_size) -> None:
+    """Merge the peft ADAPTER into BASE (an HF folder or hub name) and save a
+    full model with its tokenizer to SAVE_DIR, loadable with
+    AutoModelForCausalLM.from_pretrained."""
+    from sfttool.tools.merge import MergeError, merge_adapter
+
+    register_user_error(MergeError)
+    out = merge_adapter(base, adapter, save_dir, device=device, safe_serialization=safe_serialization,
+                        max_shard_size=max_shard_size)
+    click.echo(f"Saved to {out}")

@@ -1,0 +1,149 @@
+"""Turn a training checkpoint into Hugging Face folders.
+
+    >>> pth_to_hf('my_cfg.py', 'work_dirs/my_cfg/iter_500.pth', 'hf_adapter')
+    PosixPath('hf_adapter')   # adapter_config.json + adapter_model.safetensors (LoRA/QLoRA),
+                              # or config.json + model.safetensors (full); tokenizer; sfttool_config.py
+
+A checkpoint is either an mmengine ``.pth`` file (weights under
+``state_dict``, keys as ``SupervisedFinetune.state_dict()`` returns them: only
+the adapter for LoRA runs) or a DeepSpeed checkpoint folder (ZeRO-1/2/3),
+whose partitioned fp32 weights are gathered with DeepSpeed's own
+``zero_to_fp32``. The model is rebuilt from the config, the weights loaded
+into it, and saved with ``save_pretrained``.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+from sfttool.tools.merge import SAVED_CONFIG_NAME, save_model
+
+
+class ConvertError(Exception):
+    """A checkpoint cannot be converted; the message names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------
+# Reading checkpoints.
+
+def load_pth_state_dict(path: Path) -> dict:
+    """Weights of an mmengine ``.pth`` (``weights_only`` loading: mmengine's
+    few non-tensor types are allow-listed, nothing else is unpickled)."""
+    import pickle
+
+    import torch
+
+    from sfttool import compat
+
+    compat.allow_mmengine_checkpoint_globals()
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ConvertError(f"{path}: holds objects outside the safe-loading allow-list ({exc}); "
+                           "it was not written by `sfttool train`, or by a newer version") from None
+    state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict) or not state:
+        raise ConvertError(f"{path}: no weights found (expected a dict with a 'state_dict' entry)")
+    return state
+
+
+def _deepspeed_tag(folder: Path) -> str | None:
+    """DeepSpeed writes ``latest`` naming the tag sub-folder; accept the tag folder itself too."""
+    if (folder / "latest").is_file():
+        return None
+    if any(folder.glob("*model_states.pt")):
+        return ""  # the folder is the tag folder
+    tags = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(p.glob("*model_states.pt")))
+    if len(tags) == 1:
+        return tags[0]
+    raise ConvertError(f"{folder}: not a DeepSpeed checkpoint folder (no `latest` file and "
+                       f"{'several' if tags else 'no'} sub-folders with *model_states.pt: {tags})")
+
+
+def load_deepspeed_state_dict(folder: Path) -> dict:
+    """Full fp32 weights gathered from a DeepSpeed ZeRO checkpoint folder."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = _deepspeed_tag(folder)
+    if tag == "":
+        folder, tag = folder.parent, folder.name
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+
+
+def load_checkpoint_state_dict(ckpt: str | os.PathLike) -> dict:
+    """State dict of a ``.pth`` file or a DeepSpeed folder, ``module.`` prefixes removed."""
+    path = Path(ckpt)
+    if path.is_dir():
+        state = load_deepspeed_state_dict(path)
+    elif path.is_file():
+        state = load_pth_state_dict(path)
+    else:
+        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
+    # A DDP-wrapped model saves its weights as `module.<name>`.
+    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------
+# Building the model and loading weights into it.
+
+def conversion_model_cfg(model_cfg: dict) -> dict:
+    """The training model config, changed only where conversion needs it: no
+    4-bit/8-bit loading (adapter weights are the same; the base is not saved
+    for LoRA, and a full model must be saved unquantised) and no activation
+    checkpointing."""
+    cfg = copy.deepcopy(dict(model_cfg))
+    llm = cfg.get("llm")
+    if isinstance(llm, dict) and llm.get("quantization_config") is not None:
+        llm = dict(llm)
+        llm.pop("quantization_config")
+        cfg["llm"] = llm
+    cfg["use_activation_checkpointing"] = False
+    return cfg
+
+
+def load_weights(model, state: dict, ckpt: str | os.PathLike) -> None:
+    """Load exactly the weights ``model`` saves; every one must be in ``state``."""
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in state]
+    if missing:
+        hint = (" (a LoRA config but a full fine-tune checkpoint, or the other way round?)"
+                if len(missing) == len(wanted) else "")
+        raise ConvertError(f"{ckpt}: the checkpoint lacks {len(missing)} of the model's {len(wanted)} weights, "
+                           f"e.g. {missing[:3]}; does it come from this config?{hint}")
+    model.load_state_dict({k: state[k] for k in wanted}, strict=False)
+
+
+def is_peft(llm) -> bool:
+    from peft import PeftModel
+
+    return isinstance(llm, PeftModel)
+
+
+def save_hf(model, tokenizer, save_dir: Path, safe_serialization: bool, max_shard_size: str | int) -> None:
+    """LoRA -> peft adapter folder; full -> model folder. The tokenizer goes
+    beside either, so chat and merge find the one used in training."""
+    llm = model.llm
+    if is_peft(llm):
+        llm.save_pretrained(str(save_dir), safe_serialization=safe_serialization)
+    else:
+        save_model(llm, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(save_dir)
+
+
+def pth_to_hf(cfg, ckpt: str | os.PathLike, save_dir: str | os.PathLike, safe_serialization: bool = True,
+              max_shard_size: str | int = "2GB") -> Path:
+    """Convert ``ckpt`` trained with config ``cfg`` (a loaded config) into ``save_dir``."""
+    from sfttool.registry import build, build_if_config
+
+    save_dir = Path(save_dir)
+    state = load_checkpoint_state_dict(ckpt)  # read first: a bad path fails before the model loads
+    model = build(conversion_model_cfg(cfg.model), "model")
+    load_weights(model, state, ckpt)
+    tokenizer_cfg = cfg.get("tokenizer") or cfg.model.get("tokenizer")
+    tokenizer = build_if_config(tokenizer_cfg, "tokenizer") if tokenizer_cfg is not None else None
+    save_dir.mkdir(parents=True, exist_ok=True)
+    save_hf(model, tokenizer, save_dir, safe_serialization, max_shard_size)
+    cfg.dump(str(save_dir / SAVED_CONFIG_NAME))
+    return save_dir
