@@ -8,8 +8,10 @@ import click
 from sfttool.config.loader import ConfigError
 from sfttool.dataset.errors import DatasetError  # bad data found by any command (train, check, process)
 from sfttool.registry import ConfigBuildError
+from sfttool.utils.atomic import CheckpointSaveError  # a failed save (disk full) during train or process
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ConfigBuildError, FileNotFoundError, DatasetError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ConfigBuildError, FileNotFoundError, DatasetError,
+                                                CheckpointSaveError)
 
 
 def register_user_error(exc_type: type[BaseException]) -> None:

@@ -151,7 +151,7 @@ def save_atomically(dataset, target: Path, report_json: str) -> None:
     try:
         dataset.save_to_disk(str(tmp))
         (tmp / REPORT_FILE).write_text(report_json, encoding="utf-8")  # written last: marks completeness
-        from sfttool.engine.safety import before_rename
+        from sfttool.utils.atomic import before_rename
         before_rename(tmp, target)  # fsync before the rename; the kill -9 test pauses here
         if target.exists() and not (target / REPORT_FILE).exists():
             shutil.rmtree(target)  # not ours to trust: no completeness marker

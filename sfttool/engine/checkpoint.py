@@ -22,7 +22,7 @@ from pathlib import Path
 from mmengine.dist import barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
-from sfttool.engine.safety import before_rename, reported_save
+from sfttool.utils.atomic import before_rename, reported_save
 from sfttool.registry import BUILDER
 
 _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")

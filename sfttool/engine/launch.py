@@ -10,7 +10,6 @@ it train in-process. The exit code is torchrun's: non-zero when any rank failed.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 

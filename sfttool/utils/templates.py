@@ -199,8 +199,8 @@ def get_template(name_or_dict: str | Mapping[str, Any]) -> ConfigDict:
     if not isinstance(name_or_dict, str):
         raise TypeError(f"a prompt template is a name or a dict, got {type(name_or_dict).__name__}")
     name = name_or_dict
-    if name.startswith("PROMPT_TEMPLATE."):  # how a dumped config may spell it
-        name = name[len("PROMPT_TEMPLATE."):]
+    if "PROMPT_TEMPLATE." in name:  # how a dumped config spells it: 'sfttool.utils.PROMPT_TEMPLATE.qwen_chat'
+        name = name.rpartition("PROMPT_TEMPLATE.")[2]
     if name in PROMPT_TEMPLATE:
         return PROMPT_TEMPLATE[name]
     names = sorted(PROMPT_TEMPLATE)

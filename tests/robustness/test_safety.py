@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from sfttool.engine import safety
-from sfttool.engine.safety import (CheckpointSaveError, WorkDirError, apply_trust_remote_code, atomic_output,
-                                   check_work_dir_writable, is_partial_output)
+from sfttool.engine.safety import WorkDirError, apply_trust_remote_code, check_work_dir_writable
+from sfttool.utils.atomic import CheckpointSaveError, atomic_output, is_partial_output
 
 
 def test_work_dir_is_created_and_probed(tmp_path):
@@ -105,7 +105,7 @@ def test_kill_9_between_write_and_rename_leaves_only_a_partial_name(tmp_path):
     """The fault-injection pause, driven the way the end-to-end test drives it."""
     marker = tmp_path / "paused"
     (tmp_path / "iter_1.pth").write_bytes(b"good")
-    script = ("import sys; from sfttool.engine.safety import atomic_output\n"
+    script = ("import sys; from sfttool.utils.atomic import atomic_output\n"
               "with atomic_output(sys.argv[1]) as tmp: tmp.write_bytes(b'new')\n")
     env = dict(os.environ, SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=str(marker), SFTTOOL_FAULT_PAUSE_MATCH="iter_2")
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "iter_2.pth")], env=env)

@@ -3,5 +3,7 @@ from .dataset_info_hook import DatasetInfoHook
 from .evaluate_chat_hook import EvaluateChatHook
 from .preemption_hook import PreemptionHook
 from .throughput_hook import ThroughputHook
+from .varlen_attn_args_hook import VarlenAttnArgsToMessageHubHook
 
-__all__ = ["DatasetInfoHook", "EvaluateChatHook", "PreemptionHook", "ThroughputHook"]
+__all__ = ["DatasetInfoHook", "EvaluateChatHook", "PreemptionHook", "ThroughputHook",
+           "VarlenAttnArgsToMessageHubHook"]
