@@ -6,11 +6,12 @@ import sys
 import click
 
 from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
-@click.command("check-custom-dataset")
+@click.command("check-custom-dataset", context_settings=CFG_OPTIONS_CONTEXT)
 @click.argument("config")
-@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@cfg_options_option
 @click.option("--max-errors", type=click.IntRange(min=1), default=10, show_default=True,
               help="How many bad rows to list before summarising the rest.")
 @click.option("--color/--no-color", default=None,

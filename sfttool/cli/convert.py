@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 _SAFE_HELP = "Write safetensors (default) or, with --no-safe-serialization, PyTorch .bin files."
 
@@ -13,13 +14,13 @@ def convert() -> None:
     """Convert checkpoints and merge adapters."""
 
 
-@convert.command("pth_to_hf")
+@convert.command("pth_to_hf", context_settings=CFG_OPTIONS_CONTEXT)
 @click.argument("config")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("save_dir", type=click.Path(file_okay=False))
 @click.option("--safe-serialization/--no-safe-serialization", default=True, show_default=True, help=_SAFE_HELP)
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest weight file of a full model.")
-@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@cfg_options_option
 @user_errors
 def pth_to_hf(config, checkpoint, save_dir, safe_serialization, max_shard_size, cfg_options) -> None:
     """Convert CHECKPOINT (an mmengine .pth or a DeepSpeed checkpoint folder)

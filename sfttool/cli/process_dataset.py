@@ -4,9 +4,10 @@ from __future__ import annotations
 import click
 
 from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
-@click.command("process-dataset")
+@click.command("process-dataset", context_settings=CFG_OPTIONS_CONTEXT)
 @click.argument("config")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Folder to write (Arrow shards in data/, plus manifest.json).")
@@ -15,7 +16,7 @@ from sfttool.cli.errors import register_user_error, user_errors
 @click.option("--shard-rows", type=click.IntRange(min=1), default=200_000, show_default=True,
               help="Raw rows tokenized and packed together; memory follows this, not the dataset size.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already saved in --out.")
-@click.option("--cfg-options", multiple=True, metavar="KEY=VALUE", help="Override config keys.")
+@cfg_options_option
 @user_errors
 def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, cfg_options) -> None:
     """Run CONFIG's dataset pipeline once and save the result to --out.

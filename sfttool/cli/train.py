@@ -6,6 +6,7 @@ import os
 import click
 
 from sfttool.cli.errors import user_errors
+from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
 def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list[str]:
@@ -20,14 +21,14 @@ def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list
     return args
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+@click.command(context_settings=CFG_OPTIONS_CONTEXT)
 @click.argument("config")
 @click.option("--work-dir", default=None, help="Where checkpoints and logs go (default: ./work_dirs/<config name>).")
 @click.option("--deepspeed", default=None, help="DeepSpeed preset name (zero1, zero2, zero2_offload, zero3, zero3_offload) or a JSON path.")
 @click.option("--resume", is_flag=False, flag_value="auto", default=None,
               help="Resume from the latest checkpoint in the work dir, or from the given checkpoint path.")
 @click.option("--seed", type=int, default=None, help="Overrides the config's seed.")
-@click.option("--cfg-options", multiple=True, help="Override config keys: --cfg-options a.b=1 --cfg-options c=x")
+@cfg_options_option
 @click.option("--nproc-per-node", type=int, default=None,
               help="Processes per machine (torchrun); default: $NPROC_PER_NODE or 1. "
                    "Also read: NNODES, NODE_RANK, ADDR, PORT.")

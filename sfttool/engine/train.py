@@ -29,12 +29,12 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
           seed: int | None = None, cfg_options: list[str] | dict | None = None,
           trust_remote_code: bool = False) -> Path:
     """Run one training process (``torchrun`` starts one per device). Returns the work dir."""
-    compat.apply_training()
     announce_config(config)
     cfg = load_config(config, cfg_options)
     errors = validate_config(cfg, cfg.filename)
     if errors:
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     remote_code_policy(cfg, trust_remote_code)
     work_dir = Path(work_dir or cfg.get("work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
     from sfttool.engine.safety import check_work_dir_writable

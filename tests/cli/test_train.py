@@ -74,3 +74,26 @@ def test_worker_command_line(monkeypatch):
 def test_bad_nproc_is_a_one_line_error(tiny_cfg):
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--nproc-per-node", "0"])
     assert result.exit_code == 1 and "at least 1" in result.output
+
+
+def test_cfg_options_take_several_pairs_after_one_flag(tmp_path):
+    """XTuner's spelling `--cfg-options a=1 b=2` equals repeating the flag."""
+    from sfttool.cli.options import merge_cfg_options
+
+    assert merge_cfg_options(("a=1",), ["b.c=2"]) == ["a=1", "b.c=2"]
+    cfg = tmp_path / "c.py"
+    cfg.write_text("x = 1\n")
+    result = CliRunner().invoke(cli, ["check-custom-dataset", str(cfg), "--cfg-options", "a=1", "stray"])
+    assert result.exit_code == 2 and "--cfg-options takes KEY=VALUE pairs" in result.output
+    result = CliRunner().invoke(cli, ["train", str(cfg), "b=2"])
+    assert result.exit_code == 2 and "write --cfg-options b=2" in result.output
+
+
+def test_cfg_options_pairs_reach_the_config(tmp_path):
+    from sfttool.config import load_config
+    from sfttool.cli.options import merge_cfg_options
+
+    cfg = tmp_path / "c.py"
+    cfg.write_text("model = dict(a=1, b=dict(c=2))\n")
+    loaded = load_config(cfg, merge_cfg_options(("model.a=5",), ["model.b.c=[1,2]"]))
+    assert loaded.model.a == 5 and loaded.model.b.c == [1, 2]

@@ -153,3 +153,25 @@ def test_absolute_import_of_a_missing_base_is_a_clear_error(tmp_path):
         """)
     with pytest.raises(ConfigError, match=r"mine\.py: the config failed to load: .*no_such_base\.py not found"):
         load_config(str(mine))
+
+
+def test_misspelt_import_is_reported_at_load_with_file_and_line(tmp_path):
+    # mmengine defers a config's imports; the loader resolves them so the typo
+    # surfaces here, not as a traceback from inside a build.
+    path = tmp_path / "typo.py"
+    path.write_text("from transformers import AutoModelForCausalLMX\n"
+                    "model = dict(type=AutoModelForCausalLMX)\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and "AutoModelForCausalLMX" in message and "line 1" in message
+
+
+def test_overriding_a_copied_setting_is_refused_with_the_built_keys(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("lr = 2e-4\nseed = 1\noptim_wrapper = dict(optimizer=dict(type='torch.optim.AdamW', lr=lr))\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["lr=1e-4"])
+    assert "optim_wrapper.optimizer.lr" in str(info.value) and str(path) in str(info.value)
+    assert load_config(path, ["optim_wrapper.optimizer.lr=1e-4"]).optim_wrapper.optimizer.lr == 1e-4
+    assert load_config(path, ["seed=7"]).seed == 7  # read by the train entry itself
