@@ -59,7 +59,7 @@ def synthetic_samples(n: int, vocab: int, max_length: int, seed: int) -> list[di
 
 
 def make_batches(samples: list[dict], layout: str, batch_size: int, max_length: int) -> list[list[dict]]:
-    """Rows (contract 3) grouped into micro-batches: packed best-fit, or one sample per row."""
+    """Dataset rows grouped into micro-batches: packed best-fit, or one sample per row."""
     from sfttool.dataset.streaming import concat_samples, pack_buffer
 
     if layout == "packed":

@@ -10,7 +10,7 @@ and every count that changes is logged with its reason::
                          template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat),
                          pack_to_max_length=True)
 
-Rows follow contract 3: ``input_ids``, ``labels``, ``position_ids``,
+Rows hold ``input_ids``, ``labels``, ``position_ids``,
 ``sample_lengths`` (plus ``length``, for length-grouped samplers).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ One *iteration* is one micro-batch (as in mmengine and XTuner); the optimizer
 steps every ``accumulative_counts`` iterations (or DeepSpeed's
 ``gradient_accumulation_steps``).
 
-Loss normalisation (contract 6): before the first micro-batch of an optimizer
+Loss normalisation: before the first micro-batch of an optimizer
 step the loop looks ahead at all micro-batches of that step, counts their loss
 units (trained tokens, or samples) with ``model.count_loss_units``, sums the
 count over ranks, and hands every micro-batch

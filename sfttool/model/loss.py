@@ -1,8 +1,8 @@
-"""Next-token cross-entropy for packed rows (contract 5).
+"""Next-token cross-entropy for packed rows (see docs/model.md).
 
 A row may hold several samples; ``position_ids`` restart at 0 at each sample
 start. Targets are shifted *inside* each sample: the last token of a sample
-never predicts the first token of the next one. Padding (collate contract 4)
+never predicts the first token of the next one. Padding (see ``default_collate_fn``)
 is its own pseudo-sample with labels -100, so it never counts.
 
 Two reductions:

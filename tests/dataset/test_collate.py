@@ -1,4 +1,4 @@
-"""default_collate_fn (contract 4): right padding as its own pseudo-sequence, no attention mask."""
+"""default_collate_fn: right padding as its own pseudo-sequence, no attention mask."""
 from __future__ import annotations
 
 import torch

@@ -207,7 +207,7 @@ def test_chat_template_smollm2_equals_chatml(smollm2_dir):
 
 
 # ---------------------------------------------------------------------------
-# encode_prompt (contract 7).
+# encode_prompt: the inference prompt equals the training encoding up to the answer.
 
 @pytest.mark.parametrize("template", ["qwen_chat", "llama2_chat", "default", "hf_chat_template"])
 def test_encode_prompt_is_training_prefix(template, tiny_tokenizer, tiny_tokenizer_bos):

@@ -21,7 +21,7 @@ def make_samples(n: int, seed: int = 0, vocab: int = 500, lengths=(5, 17)) -> li
 
 
 def pack(samples: list[dict]) -> dict:
-    """Samples -> one packed row (contract 3)."""
+    """Samples -> one packed row (the dataset row format)."""
     row = {"input_ids": [], "labels": [], "position_ids": [], "sample_lengths": []}
     for s in samples:
         row["input_ids"] += s["input_ids"]
@@ -36,7 +36,7 @@ def as_row(sample: dict) -> dict:
 
 
 def collate(rows: list[dict], pad_index: int = 0) -> dict:
-    """Right padding per contract 4: padding is its own pseudo-sample with
+    """Right padding as default_collate_fn pads: padding is its own pseudo-sample with
     positions 0..p-1 and labels -100; no attention mask."""
     width = max(len(r["input_ids"]) for r in rows)
     out = {"input_ids": [], "labels": [], "position_ids": []}

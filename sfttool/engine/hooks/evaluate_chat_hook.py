@@ -2,7 +2,7 @@
 
 Before training, every ``every_n_iters`` iterations and after training, each
 input is rendered exactly as ``sfttool chat`` renders it (``encode_prompt``
-with the config's template, contract 7), answered greedily by default, cut at
+with the config's template), answered greedily by default, cut at
 the template's STOP_WORDS plus ``stop_words``, logged, and appended to
 ``work_dir/eval_outputs/iter_<n>.jsonl``:
 
