@@ -38,17 +38,17 @@ def _is_synopsis(line: str) -> bool:
     return bool(re.search(r"\s\[-|\s[A-Z][A-Z_]{2,}\b|\S {3,}[a-z]", line.split("#")[0]))
 
 
-ALL = [(p.relative_to(ROOT).as_posix(), line, transcript) for p in DOCS for line, transcript in _commands(p)]
+# Synopsis lines (placeholders, a command table's descriptions) are reference text, not commands.
+ALL = [(p.relative_to(ROOT).as_posix(), line, transcript)
+       for p in DOCS for line, transcript in _commands(p) if not _is_synopsis(line)]
 
 
 def test_the_docs_show_commands():
-    assert len(ALL) >= 30
+    assert len(ALL) >= 20
 
 
 @pytest.mark.parametrize("doc,line,transcript", ALL, ids=[f"{d}:{i}" for i, (d, _, _) in enumerate(ALL)])
 def test_documented_command_parses(doc, line, transcript):
-    if _is_synopsis(line):
-        pytest.skip("a synopsis line, not a command")
     args = shlex.split(line, comments=True)[1:]
     ctx = cli.make_context("sfttool", list(args), resilient_parsing=True)
     command, rest = cli, ctx.protected_args + ctx.args
