@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -141,13 +142,40 @@ def _report_json(report, cls) -> str:
     return json.dumps(fields, indent=1)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_abandoned_partials(cache_dir: Path) -> list[Path]:
+    """Delete temporary folders left by a run that was killed mid-save.
+
+    Only those written on this host by a process that no longer exists: a
+    cache shared between machines may hold another host's save in progress.
+    """
+    host = socket.gethostname()
+    removed = []
+    for path in cache_dir.glob(".*.tmp-*"):
+        fields = path.name.rsplit(".tmp-", 1)[1].rsplit("-", 2)  # host may contain '-'
+        if len(fields) == 3 and fields[0] == host and fields[1].isdigit() and not _pid_alive(int(fields[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def save_atomically(dataset, target: Path, report_json: str) -> None:
     """Write to ``<target>.tmp-<id>`` then rename: readers see all or nothing.
 
     If another process finished the same key first, its copy is kept.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_abandoned_partials(target.parent)
+    tmp = target.parent / f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         dataset.save_to_disk(str(tmp))
         (tmp / REPORT_FILE).write_text(report_json, encoding="utf-8")  # written last: marks completeness

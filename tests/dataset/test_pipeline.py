@@ -266,3 +266,25 @@ def test_two_processes_same_result_and_row_errors(tiny_tokenizer):
         return row
     with pytest.raises(DatasetError, match=r"row 7500: dataset_map_fn fails_late failed: ValueError: bad row"):
         run(data, tiny_tokenizer, map_num_proc=2, dataset_map_fn=fails_late)
+
+
+def test_abandoned_cache_partials_are_removed_only_when_their_writer_is_gone(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from sfttool.dataset.cache import remove_abandoned_partials
+
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    names = {"killed": f".abc.tmp-{host}-{dead}-0000aaaa",           # this host, process gone
+             "running": f".abc.tmp-{host}-{os.getpid()}-0000bbbb",   # this host, still alive
+             "elsewhere": f".abc.tmp-other-host-{dead}-0000cccc"}    # another machine's save
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    (tmp_path / "abc").mkdir()  # a complete entry
+    removed = remove_abandoned_partials(tmp_path)
+    assert [p.name for p in removed] == [names["killed"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["abc", names["running"], names["elsewhere"]])

@@ -211,6 +211,7 @@ def test_killed_preprocessing_leaves_no_usable_cache_and_the_next_run_rebuilds(r
     assert "Dataset: cached at" in log and "reusing the processed dataset" not in log
     complete = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert len(complete) == 1 and (complete[0] / "sfttool_report.json").exists()
+    assert [p for p in cache.iterdir() if p.name.startswith(".")] == []  # the killed run's temp folder is gone
 
     reused = run_train(config, tmp_path / "work2")
     assert reused.returncode == 0, reused.stderr[-3000:]
