@@ -245,10 +245,22 @@ def patch_mmengine_dump_local_functions() -> None:
     Config.pretty_text = property(pretty_text)
 
 
+def quiet_bnb_cpu_kernel_warning() -> None:
+    """bitsandbytes 0.50 on a CPU with AVX512-BF16 tries, at import, to fetch an
+    inference kernel from the model hub (``kernels`` package) and logs a warning
+    on every command when it cannot. That kernel only serves the inference-only
+    weight layout that ``disable_bnb_cpu_weight_repacking`` turns off for
+    training, so the warning is noise here: show it only at ERROR level."""
+    if _once("bnb_cpu_kernel_warning"):
+        import logging
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def apply_all() -> None:
     """Apply every patch sfttool needs (config loading and training)."""
     patch_mmengine_package_lookup()
     patch_mmengine_dump_local_functions()
+    quiet_bnb_cpu_kernel_warning()
 
 
 def patch_history_buffer_pickling() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from typing import Any
 
 from mmengine.registry import Registry
@@ -84,15 +85,26 @@ def build(cfg: Any, key: str = "cfg", **default_args: Any) -> Any:
             return fn(**args)
         except ConfigBuildError:
             raise
-        except TypeError as exc:
+        except (TypeError, OSError) as exc:
+            # TypeError: a misspelt or missing argument. OSError: a path or model id that
+            # cannot be read (no such folder, hub unreachable, disk full) -- say which key.
             name = getattr(fn, "__qualname__", repr(fn))
-            raise ConfigBuildError(f"{key}: building {name} failed: {exc}") from exc
+            hint = _os_error_hint(args) if isinstance(exc, OSError) else ""
+            raise ConfigBuildError(f"{key}: building {name} failed: {exc}{hint}") from exc
     if isinstance(cfg, dict):
         return type(cfg)({k: build(v, f"{key}.{k}") for k, v in cfg.items()}) if _has_typed(cfg) else cfg
     if isinstance(cfg, (list, tuple)):
         built = [build(v, f"{key}[{i}]") for i, v in enumerate(cfg)]
         return type(cfg)(built) if isinstance(cfg, tuple) else built
     return cfg
+
+
+def _os_error_hint(args: dict) -> str:
+    path = args.get("pretrained_model_name_or_path")
+    if isinstance(path, str) and not os.path.exists(path):
+        return (f"\n  {path!r} is not a local folder; without access to the model hub, set "
+                "pretrained_model_name_or_path (PART 1 of the config) to a local copy")
+    return ""
 
 
 def _has_typed(node: Any) -> bool:

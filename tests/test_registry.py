@@ -124,3 +124,17 @@ def test_cfg_options_reach_a_built_in_config_object():
     cfg = load_config("phi3_mini_4k_instruct_lora_alpaca_e3", ["model.lora.r=4", "model.lora.lora_dropout=0.0"])
     lora = build(cfg.model.lora, "model.lora")
     assert isinstance(lora, LoraConfig) and (lora.r, lora.lora_dropout) == (4, 0.0)
+
+
+def test_an_unreadable_model_path_is_a_build_error_naming_the_key(tmp_path):
+    from transformers import AutoTokenizer
+
+    from sfttool.registry import ConfigBuildError, build
+
+    missing = str(tmp_path / "no_such_model")
+    cfg = dict(type=dict, tokenizer=dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=missing))
+    with pytest.raises(ConfigBuildError) as info:
+        build(cfg, "train_dataloader.dataset")
+    message = str(info.value)
+    assert message.startswith("train_dataloader.dataset.tokenizer: building")
+    assert missing in message and "local copy" in message
