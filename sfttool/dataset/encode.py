@@ -55,7 +55,8 @@ def _check_text(value: Any, field: str, row: int | None, source: str | None, all
     if value is None and allow_none:
         return ""
     if not isinstance(value, str):
-        kind = "missing" if value is None else f"a {type(value).__name__}"
+        name = type(value).__name__
+        kind = "missing" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
         raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; "
                            "fix the data or the dataset_map_fn so every turn has string `input` and `output`")
     return value

@@ -137,7 +137,7 @@ def test_template_pieces_order():
 
 @pytest.mark.parametrize("conv, message", [
     ([{"input": "Q"}], "row 0, field 'conversation[0].output': expected a string, got missing"),
-    ([{"input": "Q", "output": 3}], "field 'conversation[0].output': expected a string, got a int"),
+    ([{"input": "Q", "output": 3}], "field 'conversation[0].output': expected a string, got an int"),
     ([{"input": ["Q"], "output": "A"}], "field 'conversation[0].input': expected a string, got a list"),
     ([{"role": "user", "content": "Q"}], "no `input`/`output` (keys: content, role)"),
     ("hello", "expected a list of turns"),

@@ -30,7 +30,7 @@ def test_good_jsonl_loads(tmp_path):
     ([json.dumps({"a": "x"}), json.dumps({"a": 3})],
      r"d.jsonl, line 2, field 'a': a number here but a string at line 1"),
     ([json.dumps(GOOD), json.dumps({"conversation": [{"input": "q", "output": 5}]})],
-     r"d.jsonl, line 2, field 'conversation\[0\].output': expected a string, got a int"),
+     r"d.jsonl, line 2, field 'conversation\[0\].output': expected a string, got an int"),
     ([json.dumps({"conversation": [{"input": "q"}]})],
      r"d.jsonl, line 1, field 'conversation\[0\].output': expected a string, got missing"),
     ([json.dumps({"conversation": [{"from": "human", "value": "q"}]})],
