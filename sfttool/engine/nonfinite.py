@@ -38,6 +38,8 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
+from sfttool.engine.collective import any_rank
+
 DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
 
 
@@ -78,17 +80,6 @@ def grads_are_finite(optimizer: torch.optim.Optimizer) -> bool:
     return bool(torch.isfinite(norm))
 
 
-def _any_rank(flag: bool) -> bool:
-    """All-reduce a bool (max) so every rank takes the same skip decision."""
-    from mmengine.dist import all_reduce, get_world_size
-
-    if get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    all_reduce(value, op="max")
-    return bool(value.item() > 0)
-
-
 class NonFiniteGuardMixin:
     """Skip-and-count logic shared by every guarded optimizer wrapper.
 
@@ -118,7 +109,7 @@ class NonFiniteGuardMixin:
         loss_bad = self._window_finite is not None and not bool(self._window_finite)
         self._window_finite = None
         grads_bad = check_grads and not loss_bad and not grads_are_finite(self.optimizer)
-        bad = _any_rank(loss_bad or grads_bad)
+        bad = any_rank(loss_bad or grads_bad)
         what = "loss" if loss_bad else "gradients" if grads_bad else "loss or gradients on another rank"
         return bad, what
 

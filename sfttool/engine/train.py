@@ -40,7 +40,7 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     from sfttool.engine.safety import check_work_dir_writable
     check_work_dir_writable(work_dir)  # fail now, not at the first checkpoint hours later
     seed = _seed(cfg, seed)
-    resolve_resume(resume, work_dir)  # a bad --resume or --deepspeed fails before any building
+    resume_from = resolve_resume(resume, work_dir)  # a bad --resume or --deepspeed fails before any building
     if deepspeed:
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg)
@@ -51,7 +51,7 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     set_random_seed(seed)
     dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
     model = build(cfg.model, "model")
-    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume)
+    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from)
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
         runner.train()
@@ -239,13 +239,13 @@ def resolve_resume(resume: str | None, work_dir: Path) -> str | None:
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,
-                 deepspeed: str | None, resume: str | None):
+                 deepspeed: str | None, resume_from: str | None):
+    """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None."""
     from sfttool.engine.schedulers import resolve_param_schedulers
 
     loop = train_loop_cfg(cfg)
     per_epoch = iters_per_epoch(cfg, dataset)
     default_hooks, custom_hooks = hooks(cfg)
-    resume_from = resolve_resume(resume, work_dir)
     env_cfg = dict(cfg.get("env_cfg") or {})
     env_cfg["dist_cfg"] = dict(env_cfg.get("dist_cfg") or {})
     if launcher != "none":  # one process needs no backend: no warning about nccl then

@@ -27,6 +27,7 @@ from pathlib import Path
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.logging import print_log
 
+from sfttool.engine.collective import any_rank
 from sfttool.registry import BUILDER
 
 SAME_SIGNAL_WINDOW_S = 2.0
@@ -38,18 +39,6 @@ class TrainingPreempted(SystemExit):
     A ``SystemExit`` so that no ``except Exception`` on the way up mistakes it
     for a crash, and the process exit code is the one chosen here.
     """
-
-
-def _any_rank(flag: bool) -> bool:
-    from mmengine.dist import all_reduce, get_world_size
-
-    if get_world_size() == 1:
-        return flag
-    import torch
-
-    value = torch.tensor([1.0 if flag else 0.0])
-    all_reduce(value, op="max")
-    return bool(value.item() > 0)
 
 
 def at_step_boundary(runner) -> bool:
@@ -123,7 +112,7 @@ class PreemptionHook(Hook):
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         if not self._previous or not at_step_boundary(runner):
             return
-        if not _any_rank(self.received is not None):
+        if not any_rank(self.received is not None):
             return
         signum = self.received if self.received is not None else signal.SIGTERM  # another rank's signal
         path = self._save(runner)
