@@ -52,10 +52,15 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
     model = build(cfg.model, "model")
     runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from)
-    from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
+    from sfttool.engine.hooks.preemption_hook import TrainingPreempted, signal_handlers_restored
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
-        runner.train()
+        try:
+            runner.train()
+        except TrainingPreempted:  # every rank stops at the same step, so they can still leave together
+            shutdown_distributed()
+            raise
     save_hf(runner, cfg, work_dir)
+    shutdown_distributed()
     return work_dir
 
 
@@ -111,6 +116,18 @@ def init_distributed(cfg: Any, deepspeed: bool) -> str:
         else:
             dist.init_process_group(backend="gloo")
     return "pytorch" if world > 1 else "none"
+
+
+def shutdown_distributed() -> None:
+    """Leave together and tear the process group down before the interpreter
+    exits. Left to interpreter shutdown, gloo's worker threads can be destroyed
+    while still joinable, and a rank that finished cleanly dies with SIGABRT
+    ("terminate called without an active exception"), failing the whole run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
