@@ -10,12 +10,13 @@ before the model so every rank starts from the same LoRA initialisation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sfttool import compat
 from sfttool.config import ConfigError, load_config, validate_config
@@ -45,23 +46,24 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg)
         compat.limit_cpu_threads()
-    launcher = init_distributed(cfg, deepspeed is not None)
+    with one_process_rank_env():
+        launcher = init_distributed(cfg, deepspeed is not None)
+        run(cfg, work_dir, launcher, seed, deepspeed, resume_from)
+    return work_dir
 
+
+def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | None, resume_from: str | None) -> None:
     from mmengine.runner import set_random_seed
+
+    from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
+
     set_random_seed(seed)
     dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
     model = build(cfg.model, "model")
     runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from)
-    from sfttool.engine.hooks.preemption_hook import TrainingPreempted, signal_handlers_restored
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
-        try:
-            runner.train()
-        except TrainingPreempted:  # every rank stops at the same step, so they can still leave together
-            shutdown_distributed()
-            raise
+        runner.train()
     save_hf(runner, cfg, work_dir)
-    shutdown_distributed()
-    return work_dir
 
 
 def announce_config(config: str) -> None:
@@ -102,27 +104,50 @@ def init_distributed(cfg: Any, deepspeed: bool) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not deepspeed:
         return "none"
-    if world == 1:  # DeepSpeed in a single process: a group of one
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+    if world == 1:  # DeepSpeed in a single process: a group of one, and it reads these
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)
     if not dist.is_initialized():
         backend = compat.cpu_dist_backend(((cfg.get("env_cfg") or {}).get("dist_cfg") or {}).get("backend"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if world == 1:
+            # An in-memory store: a group of one needs no rendezvous port, and a
+            # port picked free can be taken by another process before it is bound.
+            dist.init_process_group(backend=backend if torch.cuda.is_available() else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
+        elif torch.cuda.is_available():
             dist.init_process_group(backend=backend)
-        elif world > 1:
-            compat.init_cpu_process_group()
         else:
-            dist.init_process_group(backend="gloo")
+            compat.init_cpu_process_group()
     return "pytorch" if world > 1 else "none"
 
 
+@contextlib.contextmanager
+def one_process_rank_env() -> Iterator[None]:
+    """Undo, when the run ends, the RANK/LOCAL_RANK/WORLD_SIZE that
+    ``init_distributed`` sets for a one-process DeepSpeed run. Left in
+    ``os.environ``, they make a later ``sfttool train --nproc-per-node 2``
+    started from this process think it is already a worker, and run alone."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    before = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def shutdown_distributed() -> None:
-    """Leave together and tear the process group down before the interpreter
-    exits. Left to interpreter shutdown, gloo's worker threads can be destroyed
-    while still joinable, and a rank that finished cleanly dies with SIGABRT
-    ("terminate called without an active exception"), failing the whole run."""
+    """For a worker process about to exit: leave together and tear the process
+    group down. Left to interpreter shutdown, gloo's worker threads can be
+    destroyed while still joinable, and a rank that finished cleanly dies with
+    SIGABRT ("terminate called without an active exception"), failing the run.
+    Not called by ``train()`` itself: DeepSpeed caches groups made from this
+    one, and a later run in the same process would find them destroyed."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -336,8 +361,6 @@ def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
 
 def _gathered(wrapped: Any, model: Any):
     """ZeRO-3 partitions parameters across ranks: gather them for saving."""
-    import contextlib
-
     engine = getattr(wrapped, "model", None)
     partitioned = getattr(engine, "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -84,3 +85,15 @@ def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir
     assert (work_dir / "hf_model" / "tokenizer_config.json").is_file()
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert len(changed) == len(list(base.parameters()))  # every weight trained
+
+
+def test_one_process_rank_env_puts_back_what_was_there(monkeypatch):
+    from sfttool.engine.train import one_process_rank_env
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with one_process_rank_env():
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    assert os.environ["RANK"] == "3"
+    assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ

@@ -142,7 +142,7 @@ def test_a_failing_rank_stops_the_others_quickly_and_is_named(robust_config, tmp
     result = run_train(config, tmp_path / "work", "--nproc-per-node", "2", timeout=400)
     ended = time.time()
     log = result.stdout + result.stderr
-    assert result.returncode != 0
+    assert result.returncode != 0, log[-6000:]
     assert marker.exists(), log[-3000:]
     assert ended - float(marker.read_text()) < 60, "the other rank did not stop in time"
     assert "[sfttool] rank 1 of 2 failed: RuntimeError: injected failure on rank 1 at iteration 3" in log

@@ -3,6 +3,7 @@ become the same HF folders the training run exported itself."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -78,6 +79,11 @@ def test_deepspeed_checkpoint_folder_gives_the_adapter_the_run_exported(lora_dee
     adapter = load_file(out / "adapter_model.safetensors")
     assert_same_tensors(adapter, load_file(lora_deepspeed_run / "hf_adapter" / "adapter_model.safetensors"))
     assert max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k) > 1e-3
+
+
+def test_a_deepspeed_run_in_this_process_leaves_no_rank_variables_behind(lora_deepspeed_run):
+    # Left behind, LOCAL_RANK makes a later `sfttool train --nproc-per-node 2` started from here run alone.
+    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"}.isdisjoint(os.environ)
 
 
 def test_a_full_checkpoint_with_a_lora_config_is_refused(full_run, lora_cfg_path, tmp_path):
