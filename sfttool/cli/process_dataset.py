@@ -5,6 +5,7 @@ import click
 
 from sfttool.cli.errors import register_user_error, user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
+from sfttool.tools.process_dataset import DEFAULT_SHARD_ROWS
 
 
 @click.command("process-dataset", context_settings=CFG_OPTIONS_CONTEXT)
@@ -13,8 +14,9 @@ from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
               help="Folder to write (Arrow shards in data/, plus manifest.json).")
 @click.option("--num-proc", type=click.IntRange(min=1), default=None,
               help="Processes for tokenizing, packing and writing (default: the config's map_num_proc).")
-@click.option("--shard-rows", type=click.IntRange(min=1), default=200_000, show_default=True,
-              help="Raw rows tokenized and packed together; memory follows this, not the dataset size.")
+@click.option("--shard-rows", type=click.IntRange(min=1), default=DEFAULT_SHARD_ROWS, show_default=True,
+              help="Raw rows tokenized and packed together; memory follows this, not the dataset size "
+                   "(about 40 bytes per token of a shard, see docs/scale.md).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already saved in --out.")
 @cfg_options_option
 @user_errors

@@ -106,7 +106,8 @@ def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> 
             "fingerprint": digest.hexdigest()[:16]}
 
 
-DEFAULT_SHARD_ROWS = 200_000
+# At ~600 tokens a row, 100k rows peak near 3 GB (docs/benchmarks.md); one part-filled row per shard.
+DEFAULT_SHARD_ROWS = 100_000
 
 
 def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overwrite: bool = False,

@@ -132,3 +132,19 @@ def test_first_set_index():
     assert [tree.first_at_least(i) for i in (0, 3, 4, 8, 19)] == [3, 3, 7, 19, 19]
     tree.set(7, False)
     assert tree.first_at_least(4) == 19
+
+
+def test_packed_dataset_fingerprint_follows_content():
+    from sfttool.dataset.pipeline import PipelineReport, finish_rows
+
+    def packed(table):
+        return finish_rows(table, True, 128, "bfd", True, 0, PipelineReport())
+
+    table, _, _ = random_table()
+    first, again = packed(table), packed(pa.table({k: table[k].to_pylist() for k in table.column_names}))
+    assert first._fingerprint == again._fingerprint  # equal data built again: equal fingerprint
+    ids = table["input_ids"].to_pylist()
+    ids[7][0] += 1
+    changed = packed(pa.table({"input_ids": ids, "labels": table["labels"]}))
+    assert changed._fingerprint != first._fingerprint
+    assert changed["input_ids"] != first["input_ids"]  # the one changed token is there
