@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -131,22 +132,45 @@ def _as_tuple(obj):
 
 @BUILDER.register_module()
 class RNGStateHook(Hook):
-    """Puts the RNG states into the message hub after every iteration, before
-    the checkpoint hook runs, so every checkpoint carries them (the message hub
-    is saved by both runners; DeepSpeed's strategy ignores the checkpoint
-    hooks). ``TrainLoop`` calls ``restore_rng_state`` when it resumes, after
-    the ``before_train`` hooks (which may generate text)."""
+    """Puts every rank's RNG states into the message hub after every iteration,
+    before the checkpoint hook runs, so every checkpoint carries them (the
+    message hub is saved by both runners; DeepSpeed's strategy ignores the
+    checkpoint hooks). Only rank 0 writes the message hub, so with several
+    processes the states are gathered to it: each rank's dropout stream is its
+    own. ``TrainLoop`` calls ``restore_rng_state`` when it resumes, after the
+    ``before_train`` hooks (which may generate text)."""
 
     priority = 85  # after the other hooks of an iteration, before CheckpointHook (VERY_LOW = 90)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
-        runner.message_hub.update_info("rng_state", _rng_state())
+        runner.message_hub.update_info("rng_state", _every_rank(_rng_state()))
+
+
+def _every_rank(state: dict) -> list[dict]:
+    """``state`` of every rank, indexed by rank (a few KB each: one small gather)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
 
 
 def restore_rng_state(runner) -> bool:
-    """Set the RNG states a resumed checkpoint recorded; False when it has none."""
-    state = runner.message_hub.get_info("rng_state")
-    if state is None:
+    """Set the RNG states a resumed checkpoint recorded for this rank; False when it has none."""
+    from mmengine.dist import get_rank, get_world_size
+    from mmengine.logging import print_log
+
+    states = runner.message_hub.get_info("rng_state")
+    if states is None:
         return False
-    _set_rng_state(state)
+    if isinstance(states, dict):  # one state, as checkpoints of sfttool 0.1.0 hold
+        states = [states]
+    rank, world = get_rank(), get_world_size()
+    if len(states) != world:
+        print_log(f"the checkpoint holds the RNG states of {len(states)} process(es) and this run has {world}: "
+                  "dropout draws after the resume will differ from an uninterrupted run", logger="current",
+                  level=logging.WARNING)
+    _set_rng_state(states[rank % len(states)])
     return True
