@@ -105,6 +105,21 @@ def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: in
     return min(accum - it % accum, max_iters - it), factor
 
 
+def close_short_deepspeed_window(model: Any, it: int) -> None:
+    """Make iteration ``it``, the last micro-batch of its optimizer step, a
+    DeepSpeed accumulation boundary when DeepSpeed's own counter would not.
+
+    DeepSpeed steps when its micro-step count reaches a multiple of
+    ``gradient_accumulation_steps``; the last window of a run whose length is not
+    a multiple would be accumulated and never applied. The loss normaliser
+    already counts only that window's tokens, so the step it makes is exact."""
+    engine = getattr(model, "model", None)
+    if type(model).__name__ != "MMDeepSpeedEngineWrapper" or engine is None:
+        return
+    if (it + 1) % int(engine.gradient_accumulation_steps()) != 0:
+        engine.set_gradient_accumulation_boundary(True)
+
+
 @BUILDER.register_module()
 class TrainLoop(IterBasedTrainLoop):
     """XTuner-compatible train loop: give ``max_epochs`` or ``max_iters``.
@@ -164,7 +179,10 @@ class TrainLoop(IterBasedTrainLoop):
                 self.runner.optim_wrapper, self.runner.model, self._iter, self._max_iters)
             self._pending = [next(self.dataloader_iterator) for _ in range(size)]
             self._set_loss_normalizer(self._pending, loss_factor)
-        return self._pending.pop(0)
+        batch = self._pending.pop(0)
+        if not self._pending:
+            close_short_deepspeed_window(self.runner.model, self._iter)
+        return batch
 
     def _set_loss_normalizer(self, batches: list, loss_factor: int) -> None:
         model = unwrap_model(self.runner.model)

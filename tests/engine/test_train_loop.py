@@ -72,3 +72,23 @@ def test_accumulation_split_gives_the_same_step(tmp_path, tiny_config):
     assert moved, "the step changed nothing"
     for k in split:
         torch.testing.assert_close(split[k], whole[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_deepspeed_applies_the_last_short_accumulation_window(tmp_path, tiny_config):
+    """5 micro-batches with accumulation 2: the 5th is a window of one. Plain
+    training steps on it; DeepSpeed's own counter would not, so the loop marks it."""
+    from safetensors.torch import load_file
+
+    from sfttool.engine.train import train
+
+    cfg = tiny_config(accumulative_counts=2, dropout=0.0)
+
+    def adapter(name, iters, deepspeed=None):
+        options = {"train_cfg.max_iters": iters, "train_cfg.max_epochs": None}
+        work = train(str(cfg), work_dir=str(tmp_path / name), deepspeed=deepspeed, cfg_options=options)
+        return load_file(work / "hf_adapter" / "adapter_model.safetensors")
+
+    plain, ds, ds_four = adapter("plain", 5), adapter("ds", 5, "zero2"), adapter("ds4", 4, "zero2")
+    assert all(torch.allclose(plain[k], ds[k], atol=1e-6, rtol=1e-5) for k in plain)
+    assert not all(torch.equal(ds[k], ds_four[k]) for k in ds)  # the fifth micro-batch did move the weights
