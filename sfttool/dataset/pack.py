@@ -139,12 +139,10 @@ def assemble(table: pa.Table, order: np.ndarray, piece_lengths: np.ndarray,
 
 def _flat_taken(column, indices: pa.Array) -> pa.Array:
     """The tokens of the samples ``indices``, in that order, as one flat int32 array."""
-    taken = column.take(indices)  # a ChunkedArray of lists
-    if taken.num_chunks == 1:
-        flat = taken.chunk(0).flatten()  # no copy: most takes come back as one chunk
-    else:
-        flat = pa.concat_arrays([chunk.flatten() for chunk in taken.chunks]) if taken.num_chunks else pa.array([])
-    return flat.cast(pa.int32())
+    chunks = [chunk.flatten() for chunk in column.take(indices).chunks]
+    if len(chunks) == 1:
+        return chunks[0].cast(pa.int32())  # no concatenating copy: most takes come back as one chunk
+    return (pa.concat_arrays(chunks) if chunks else pa.array([])).cast(pa.int32())
 
 
 def _positions(piece_offsets: np.ndarray, piece_lengths: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
-from mmengine.dist import barrier, is_main_process
+from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
 from sfttool.utils.atomic import before_rename, reported_save
@@ -143,18 +143,8 @@ class RNGStateHook(Hook):
     priority = 85  # after the other hooks of an iteration, before CheckpointHook (VERY_LOW = 90)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
-        runner.message_hub.update_info("rng_state", _every_rank(_rng_state()))
-
-
-def _every_rank(state: dict) -> list[dict]:
-    """``state`` of every rank, indexed by rank (a few KB each: one small gather)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [state]
-    states: list = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
+        # One entry per rank, indexed by rank; mmengine returns [state] in a single process.
+        runner.message_hub.update_info("rng_state", all_gather_object(_rng_state()))
 
 
 def restore_rng_state(runner) -> bool:

@@ -56,9 +56,15 @@ def needs_launch(plan: LaunchPlan) -> bool:
     return plan.world_size > 1 and not inside_launcher()
 
 
-def torchrun_command(plan: LaunchPlan, train_args: list[str]) -> list[str]:
-    from sfttool.engine.train import free_port
+def free_port() -> int:
+    import socket
 
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(plan: LaunchPlan, train_args: list[str]) -> list[str]:
     port = plan.port if plan.port is not None else (free_port() if plan.nnodes == 1 else 29500)
     return [sys.executable, "-m", "torch.distributed.run",
             f"--nproc-per-node={plan.nproc_per_node}", f"--nnodes={plan.nnodes}",

@@ -32,12 +32,19 @@ from sfttool.engine.checkpoint import restore_rng_state
 from sfttool.registry import BUILDER
 
 
+def deepspeed_engine(model: Any) -> Any:
+    """The ``DeepSpeedEngine`` inside mmengine's DeepSpeed wrapper; None for any other model."""
+    if type(model).__name__ != "MMDeepSpeedEngineWrapper":
+        return None
+    return getattr(model, "model", None)
+
+
 def unwrap_model(model: Any) -> Any:
     """The user's model inside a DDP or DeepSpeed wrapper."""
     if is_model_wrapper(model):
         return model.module
-    engine = getattr(model, "model", None)  # MMDeepSpeedEngineWrapper -> DeepSpeedEngine
-    if engine is not None and hasattr(engine, "module") and type(model).__name__ == "MMDeepSpeedEngineWrapper":
+    engine = deepspeed_engine(model)
+    if engine is not None and hasattr(engine, "module"):
         return engine.module
     return model
 
@@ -93,8 +100,8 @@ def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: in
     >>> optimizer_step_window(OptimWrapper(opt, accumulative_counts=4), model, 8, 10)
     (2, 2)
     """
-    gas = getattr(getattr(model, "model", None), "gradient_accumulation_steps", None)
-    if type(model).__name__ == "MMDeepSpeedEngineWrapper" and callable(gas):
+    gas = getattr(deepspeed_engine(model), "gradient_accumulation_steps", None)
+    if callable(gas):
         accum = int(gas())
         return min(accum - it % accum, max_iters - it), accum
     accum = int(getattr(optim_wrapper, "_accumulative_counts", 1))
@@ -113,10 +120,8 @@ def close_short_deepspeed_window(model: Any, it: int) -> None:
     ``gradient_accumulation_steps``; the last window of a run whose length is not
     a multiple would be accumulated and never applied. The loss normaliser
     already counts only that window's tokens, so the step it makes is exact."""
-    engine = getattr(model, "model", None)
-    if type(model).__name__ != "MMDeepSpeedEngineWrapper" or engine is None:
-        return
-    if (it + 1) % int(engine.gradient_accumulation_steps()) != 0:
+    engine = deepspeed_engine(model)
+    if engine is not None and (it + 1) % int(engine.gradient_accumulation_steps()) != 0:
         engine.set_gradient_accumulation_boundary(True)
 
 

@@ -46,7 +46,7 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg)
         compat.limit_cpu_threads()
-    with one_process_rank_env():
+    with one_process_rank_env(deepspeed is not None):
         launcher = init_distributed(cfg, deepspeed is not None)
         run(cfg, work_dir, launcher, seed, deepspeed, resume_from)
     return work_dir
@@ -104,9 +104,6 @@ def init_distributed(cfg: Any, deepspeed: bool) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not deepspeed:
         return "none"
-    if world == 1:  # DeepSpeed in a single process: a group of one, and it reads these
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
     if not dist.is_initialized():
         backend = compat.cpu_dist_backend(((cfg.get("env_cfg") or {}).get("dist_cfg") or {}).get("backend"))
         if torch.cuda.is_available():
@@ -124,13 +121,17 @@ def init_distributed(cfg: Any, deepspeed: bool) -> str:
 
 
 @contextlib.contextmanager
-def one_process_rank_env() -> Iterator[None]:
-    """Undo, when the run ends, the RANK/LOCAL_RANK/WORLD_SIZE that
-    ``init_distributed`` sets for a one-process DeepSpeed run. Left in
-    ``os.environ``, they make a later ``sfttool train --nproc-per-node 2``
-    started from this process think it is already a worker, and run alone."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-    before = {key: os.environ.get(key) for key in keys}
+def one_process_rank_env(deepspeed: bool) -> Iterator[None]:
+    """DeepSpeed reads RANK/LOCAL_RANK/WORLD_SIZE even in a single process: for
+    a DeepSpeed run, set those a launcher did not, and put them all back when
+    the run ends. Left in ``os.environ``, they would make a later ``sfttool
+    train --nproc-per-node 2`` started from this process think it is already a
+    worker, and run alone."""
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    before = {key: os.environ.get(key) for key in defaults}
+    if deepspeed:
+        for key, value in defaults.items():
+            os.environ.setdefault(key, value)
     try:
         yield
     finally:
@@ -153,14 +154,6 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_dataset_rank0_first(dataset_cfg: Any) -> Any:
@@ -361,8 +354,9 @@ def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
 
 def _gathered(wrapped: Any, model: Any):
     """ZeRO-3 partitions parameters across ranks: gather them for saving."""
-    engine = getattr(wrapped, "model", None)
-    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    from sfttool.engine.runner import deepspeed_engine
+
+    partitioned = getattr(deepspeed_engine(wrapped), "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
         import deepspeed
 

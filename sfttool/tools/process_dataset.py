@@ -106,7 +106,7 @@ def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> 
             "fingerprint": digest.hexdigest()[:16]}
 
 
-# At ~600 tokens a row, 100k rows peak near 3 GB (docs/benchmarks.md); one part-filled row per shard.
+# At ~600 tokens a row, 100k rows peaked at 3.5 GiB (docs/benchmarks.md); one part-filled row per shard.
 DEFAULT_SHARD_ROWS = 100_000
 
 

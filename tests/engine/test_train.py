@@ -93,7 +93,8 @@ def test_one_process_rank_env_puts_back_what_was_there(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with one_process_rank_env():
+    with one_process_rank_env(deepspeed=True):
+        assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("3", "0", "1")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     assert os.environ["RANK"] == "3"
     assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ
