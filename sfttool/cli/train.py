@@ -59,18 +59,11 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
         if code != 0:
             raise click.ClickException(f"training failed: torchrun exited with code {code} (see the ranks' logs above)")
         return
-    from sfttool.engine.hooks.preemption_hook import TrainingPreempted
     from sfttool.engine.safety import report_rank_failure
-    from sfttool.engine.train import shutdown_distributed
     from sfttool.engine.train import train as run_training
 
     with report_rank_failure():  # in a multi-process run the log names the failing rank
-        try:
-            out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
-                               cfg_options=list(cfg_options), trust_remote_code=trust_remote_code)
-        except TrainingPreempted:  # every rank stopped at the same step, so they can still leave together
-            shutdown_distributed()
-            raise
-    shutdown_distributed()
+        out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
+                           cfg_options=list(cfg_options), trust_remote_code=trust_remote_code)
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"Training finished; outputs in {out}")

@@ -46,9 +46,16 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg)
         compat.limit_cpu_threads()
+    from sfttool.engine.hooks.preemption_hook import TrainingPreempted
+
     with one_process_rank_env(deepspeed is not None):
         launcher = init_distributed(cfg, deepspeed is not None)
-        run(cfg, work_dir, launcher, seed, deepspeed, resume_from)
+        try:
+            run(cfg, work_dir, launcher, seed, deepspeed, resume_from)
+        except TrainingPreempted:  # every rank stopped at the same step, so they can still leave together
+            close_process_group(launcher)
+            raise
+        close_process_group(launcher)
     return work_dir
 
 
@@ -142,16 +149,18 @@ def one_process_rank_env(deepspeed: bool) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def shutdown_distributed() -> None:
-    """For a worker process about to exit: leave together and tear the process
-    group down. Left to interpreter shutdown, gloo's worker threads can be
+def close_process_group(launcher: str) -> None:
+    """Leave together and tear down the group of a multi-process run.
+
+    Its processes were started by torchrun for this one run and exit right
+    after it; left to interpreter shutdown, gloo's worker threads can be
     destroyed while still joinable, and a rank that finished cleanly dies with
     SIGABRT ("terminate called without an active exception"), failing the run.
-    Not called by ``train()`` itself: DeepSpeed caches groups made from this
-    one, and a later run in the same process would find them destroyed."""
+    A one-process group (DeepSpeed) is kept: the process may train again
+    (tests, notebooks) and DeepSpeed caches groups made from it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if launcher == "pytorch" and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

@@ -36,6 +36,19 @@ def test_train_runs_in_process(tmp_path, tiny_cfg):
     assert again.exit_code == 0, again.output
 
 
+@pytest.mark.slow
+def test_in_process_runs_keep_a_one_process_deepspeed_group_usable(tmp_path, tiny_cfg):
+    """A DeepSpeed run, a plain run, then DeepSpeed again, all in this process:
+    the one-process group (and DeepSpeed's groups cached from it) must survive."""
+    import torch.distributed as dist
+
+    for i, extra in enumerate((["--deepspeed", "zero2"], [], ["--deepspeed", "zero2"])):
+        result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / f"w{i}"), *extra])
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / f"w{i}" / "hf_adapter" / "adapter_config.json").is_file()
+    assert dist.is_initialized()
+
+
 def test_resume_in_an_empty_work_dir_is_a_one_line_error(tmp_path, tiny_cfg):
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "none"), "--resume"])
     assert result.exit_code == 1
