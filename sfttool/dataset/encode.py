@@ -11,9 +11,11 @@ in one fast-tokenizer call; the pieces are then concatenated.
   input (masked), output (trained unless ``output_with_loss=False``), EOS when
   ``need_eos_token`` (labelled like the output), sep (masked).
 * **HF chat-template mode** (``PROMPT_TEMPLATE.hf_chat_template``): the
-  conversation is rendered with the tokenizer's own jinja ``chat_template``;
-  the mask comes from rendering prefixes: the text an assistant turn adds,
-  up to and including its first special (end-of-turn) token, is trained.
+  conversation is rendered with the tokenizer's own jinja ``chat_template``
+  and tokenized whole, so the ids are exactly ``apply_chat_template``'s; the
+  mask comes from rendering prefixes: the characters an assistant turn adds,
+  up to and including its first special (end-of-turn) token, are trained,
+  and so is every token that overlaps them.
 
 Deliberate differences from XTuner 0.2:
 
@@ -170,44 +172,57 @@ def _trained_end(text: str, start: int, end: int, content: str, specials: list[s
     return pos - minus_length
 
 
-def chat_template_pieces(conversation: list[dict], tokenizer, prompt_only_last: bool = False,
-                         row: int | None = None, specials: list[str] | None = None) -> list[Piece]:
-    """Pieces of a conversation rendered by ``tokenizer.chat_template``.
+def _unstable(row: int | None) -> DatasetError:
+    return DatasetError(
+        f"{where(row)}: the tokenizer's chat_template renders earlier turns differently once later turns "
+        "are added (e.g. it moves the system prompt to the last user message, or strips reasoning from "
+        "past answers), so answer spans cannot be found by rendering prefixes; use a built-in "
+        "PROMPT_TEMPLATE for this model, or a single-turn row")
+
+
+def chat_template_spans(conversation: list[dict], tokenizer, row: int | None = None,
+                        specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation rendered by ``tokenizer.chat_template``, and the character
+    spans of ``text`` to train (each answer through its end-of-turn token).
 
     ChatML, ``[{'input': 'Q', 'output': 'A'}]`` ->
-    ``[('text', '<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\n', False),
-    ('text', 'A<|im_end|>', True), ('text', '\\n', False)]``
+    ``('<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nA<|im_end|>\\n', [(44, 54)])``
+
+    An answer starts where the rendered prompt before it (with the generation
+    prompt) ends; it ends where the rendering up to it stops agreeing with the
+    whole conversation, so a template that closes a finished chat with EOS
+    (Phi-3) still works.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
-                           "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
+    _require_chat_template(tokenizer)
     specials = special_token_texts(tokenizer) if specials is None else specials
-    messages = to_messages(conversation, with_last_output=not prompt_only_last)
-    full = _render(tokenizer, messages, prompt_only_last, row)
-    pieces: list[Piece] = []
-    pos = 0
+    messages = to_messages(conversation)
+    full = _render(tokenizer, messages, False, row)
+    spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _checked_prefix(tokenizer, messages[:k], True, full, row)
-        end = _checked_prefix(tokenizer, messages[:k + 1], False, full, row)
-        trained_end = _trained_end(full, start, end, message["content"], specials)
-        trained = _flag(conversation[_turn_of(messages, k)], "output_with_loss")
-        pieces += [("text", full[pos:start], False), ("text", full[start:trained_end], trained)]
-        pos = trained_end
-    pieces.append(("text", full[pos:], False))
-    return pieces
+        prompt = _render(tokenizer, messages[:k], True, row)
+        start = len(prompt)
+        end = _common_prefix_length(_render(tokenizer, messages[:k + 1], False, row), full)
+        content = message["content"].strip()
+        if not full.startswith(prompt) or end < start or (content and full.find(content, start, end) < 0):
+            raise _unstable(row)
+        if _flag(conversation[_turn_of(messages, k)], "output_with_loss"):
+            spans.append((start, _trained_end(full, start, end, message["content"], specials)))
+    return full, spans
 
 
-def _checked_prefix(tokenizer, messages: list[dict], add_generation_prompt: bool, full: str,
-                    row: int | None) -> int:
-    prefix = _render(tokenizer, messages, add_generation_prompt, row)
-    if not full.startswith(prefix):
-        raise DatasetError(
-            f"{where(row)}: the tokenizer's chat_template renders earlier turns differently once later "
-            "turns are added (e.g. it strips reasoning from past answers), so answer spans cannot be "
-            "found by rendering prefixes; use a built-in PROMPT_TEMPLATE for this model")
-    return len(prefix)
+def _require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
+                           "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _turn_of(messages: list[dict], k: int) -> int:
@@ -218,21 +233,40 @@ def _turn_of(messages: list[dict], k: int) -> int:
 # ---------------------------------------------------------------------------
 # Tokenize pieces (batched) and assemble ids + labels.
 
-def batch_token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+def batch_token_ids(tokenizer, texts: list[str], with_offsets: bool = False) -> list:
     """``tokenizer(texts, add_special_tokens=False)['input_ids']``, faster.
 
     A fast tokenizer's Rust backend is called directly: it encodes the batch
-    on several threads and skips building offsets and Python encodings,
-    which cost about as much as the tokenization itself. Same ids.
+    on several threads and skips building Python encodings, which cost about
+    as much as the tokenization itself. Same ids. ``with_offsets`` returns
+    ``(ids, character offsets)`` per text.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    encode_fast = getattr(backend, "encode_batch_fast", None)
+    encode = getattr(backend, "encode_batch" if with_offsets else "encode_batch_fast", None)
     # A backend with stored truncation/padding (from tokenizer.json) would apply it here; transformers' call
     # resets those per call, so use that path then.
-    if (encode_fast is None or backend.truncation is not None or backend.padding is not None
+    if (encode is None or backend.truncation is not None or backend.padding is not None
             or getattr(tokenizer, "split_special_tokens", False)):
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [e.ids for e in encode_fast(texts, add_special_tokens=False)]
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=with_offsets)
+        return list(zip(enc["input_ids"], enc["offset_mapping"])) if with_offsets else enc["input_ids"]
+    encodings = encode(texts, add_special_tokens=False)
+    return [(e.ids, e.offsets) for e in encodings] if with_offsets else [e.ids for e in encodings]
+
+
+def labels_from_spans(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """``ids`` with every token that overlaps no trained character span set to -100.
+
+    A token that straddles a span's edge (a BPE token ``" It"`` whose space
+    ends the prompt) is trained: the model has to produce it.
+    """
+    labels = []
+    k = 0
+    for token, (start, end) in zip(ids, offsets):
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        inside = k < len(spans) and start < spans[k][1] and end > spans[k][0]
+        labels.append(token if inside else IGNORE_INDEX)
+    return labels
 
 
 def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -285,11 +319,21 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
             raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "
                                "single-turn conversations")
         if hf_chat_template:
-            rows.append(chat_template_pieces(conversation, tokenizer, row=row, specials=specials))
+            if not input_ids_with_output:
+                raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
+            rows.append(chat_template_spans(conversation, tokenizer, row=row, specials=specials))
         else:
             rows.append(template_pieces(conversation, input_ids_with_output))
+    if hf_chat_template:
+        # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
+        # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
+        encoded = batch_token_ids(tokenizer, [text for text, _ in rows], with_offsets=True)
+        rows_ids = [(ids, labels_from_spans(ids, offsets, spans))
+                    for (ids, offsets), (_, spans) in zip(encoded, rows)]
+    else:
+        rows_ids = tokenize_pieces(rows, tokenizer)
     out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": []}
-    for input_ids, labels in tokenize_pieces(rows, tokenizer):
+    for input_ids, labels in rows_ids:
         out["num_tokens"].append(len(input_ids))
         out["input_ids"].append(input_ids[:max_length])
         out["labels"].append(labels[:max_length])
@@ -318,10 +362,11 @@ def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[
         template = get_template(template)
     check_conversation(history)
     if is_hf_chat_template(template):
-        pieces = chat_template_pieces(history, tokenizer, prompt_only_last=True)
-    else:
-        if template is not None:
-            from sfttool.dataset.map_fns import template_map_fn_factory
-            history = template_map_fn_factory(template)({"conversation": history})["conversation"]
-        pieces = template_pieces(history, prompt_only_last=True)
+        _require_chat_template(tokenizer)
+        text = _render(tokenizer, to_messages(history, with_last_output=False), True)
+        return batch_token_ids(tokenizer, [text])[0]
+    if template is not None:
+        from sfttool.dataset.map_fns import template_map_fn_factory
+        history = template_map_fn_factory(template)({"conversation": history})["conversation"]
+    pieces = template_pieces(history, prompt_only_last=True)
     return tokenize_pieces([pieces], tokenizer)[0][0]

@@ -103,9 +103,12 @@ _TEMPLATES: dict[str, dict[str, Any]] = dict(
                      SUFFIX="<｜end▁of▁sentence｜>", SUFFIX_AS_EOS=True, STOP_WORDS=["<｜end▁of▁sentence｜>"]),
     mistral=dict(_MISTRAL),
     mixtral=dict(_MISTRAL),
-    # Mistral's v3 tokenizer (Mistral-7B-Instruct-v0.3, Mistral-Nemo): [INST]/[/INST] are control
+    # Mistral's v3 SentencePiece tokenizer (Mistral-7B-Instruct-v0.3): [INST]/[/INST] are control
     # tokens and no space precedes [/INST]: `<s>[INST] q1[/INST] a1</s>[INST] q2[/INST]`.
     mistral_v3=dict(_MISTRAL, SYSTEM="[INST] {system}\n\n{input}[/INST]", INSTRUCTION="[INST] {input}[/INST]"),
+    # Mistral's tekken tokenizer (Mistral-Nemo) has no dummy-prefix space, and its format none either:
+    # `<s>[INST]q1[/INST]a1</s>[INST]q2[/INST]`.
+    mistral_nemo=dict(_MISTRAL, SYSTEM="[INST]{system}\n\n{input}[/INST]", INSTRUCTION="[INST]{input}[/INST]"),
     minicpm=dict(INSTRUCTION="<用户> {input} <AI>", SEP="\n"),
     minicpm3=dict(_CHATML),
     # Gemma (1) has no system role; XTuner 0.2 invented a `system` turn and kept it.

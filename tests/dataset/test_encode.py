@@ -206,6 +206,98 @@ def test_chat_template_smollm2_equals_chatml(smollm2_dir):
         assert sum(1 for t in hf["labels"] if t == im_end) == len(conv)  # every end-of-turn trained
 
 
+MISTRAL_LIKE_JINJA = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like_tokenizer():
+    """Metaspace pre-tokenizer: every encode call puts a "▁" before its first word, as SentencePiece
+    tokenizers (Llama 2, Mistral, Phi-3) do, so tokenizing a template piece by piece changes the ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(assets._corpus() + ["[INST] Good day. [/INST]Three."], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = MISTRAL_LIKE_JINJA
+    return fast
+
+
+def _apply(tokenizer, messages, **kw):
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_chat_template_ids_equal_apply_chat_template_on_sentencepiece(sentencepiece_like_tokenizer):
+    """Tokenized whole, not piece by piece: no stray "▁" before answers and later turns."""
+    from sfttool.dataset.encode import to_messages
+    tok = sentencepiece_like_tokenizer
+    conv = [{"input": "hello world", "output": "Good day."}, {"input": "one two?", "output": "Three."}]
+    out = encode_one(conv, tok, hf=True)
+    assert out["input_ids"] == _apply(tok, to_messages(conv))
+    trained = [t for t in out["labels"] if t != IGNORE]
+    assert not tok.convert_ids_to_tokens(trained)[0].startswith("\u2581")  # the answer follows "]" directly
+    assert tok.decode(trained) == "Good day.</s>Three.</s>"
+    history = [conv[0], {"input": "one two?"}]
+    prompt = encode_prompt(history, tok, PROMPT_TEMPLATE.hf_chat_template)
+    assert prompt == _apply(tok, to_messages(history, with_last_output=False), add_generation_prompt=True)
+    assert out["input_ids"][:len(prompt)] == prompt and out["labels"][len(prompt)] != IGNORE
+
+
+def test_labels_from_spans_trains_tokens_that_overlap_an_answer():
+    from sfttool.dataset.encode import labels_from_spans
+    offsets = [(0, 3), (3, 5), (5, 9), (9, 12), (12, 12), (12, 15)]
+    # The answer is characters 6..12: the token at 5..9 straddles its start and is trained.
+    assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(6, 12)]) == [IGNORE, IGNORE, 3, 4, IGNORE, IGNORE]
+    assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(0, 3), (12, 15)]) == [1, IGNORE, IGNORE, IGNORE,
+                                                                                  IGNORE, 6]
+
+
+def test_chat_template_that_ends_a_finished_chat_with_eos(tiny_tokenizer_dir):
+    """Phi-3's template appends EOS after the last message unless a generation prompt is asked for,
+    so a rendered prefix is not a prefix of the whole conversation; multi-turn rows still encode."""
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset.encode import to_messages
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% else %}<|endoftext|>{% endif %}")
+    out = encode_one(TWO_TURNS, tok, hf=True)
+    assert out["input_ids"] == _apply(tok, to_messages(TWO_TURNS))
+    assert tok.decode([t for t in out["labels"] if t != IGNORE]) == "good day.<|im_end|>three.<|im_end|>"
+    prompt = encode_prompt([TWO_TURNS[0], {"input": "one two?"}], tok, PROMPT_TEMPLATE.hf_chat_template)
+    assert out["input_ids"][:len(prompt)] == prompt and out["labels"][len(prompt)] != IGNORE
+
+
+def test_chat_template_that_moves_the_system_prompt(tiny_tokenizer_dir):
+    """Mistral v0.3's template puts the system prompt in the last user message: training rows with a
+    system prompt and two turns cannot be split into answers (a clear error), but chat prompts work."""
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset.encode import to_messages
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+        "{% set messages = messages[1:] %}{% endif %}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "<|im_start|>{% if loop.last and system is defined %}{{ system }} {% endif %}{{ m['content'] }}<|im_end|>"
+        "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
+    with pytest.raises(DatasetError, match="row 0: .*moves the system prompt"):
+        encode_one(TWO_TURNS, tok, hf=True)
+    history = [TWO_TURNS[0], {"input": "one two?"}]
+    prompt = encode_prompt(history, tok, PROMPT_TEMPLATE.hf_chat_template)
+    assert prompt == _apply(tok, to_messages(history, with_last_output=False), add_generation_prompt=True)
+
+
+def test_chat_template_without_output_ids_is_an_error(tiny_tokenizer):
+    with pytest.raises(DatasetError, match="needs input_ids_with_output=True"):
+        encode_one([{"input": "hi", "output": "there"}], tiny_tokenizer, hf=True, input_ids_with_output=False)
+
+
 # ---------------------------------------------------------------------------
 # encode_prompt: the inference prompt equals the training encoding up to the answer.
 

@@ -45,6 +45,7 @@ EXPECTED = {
                     "<|start_header_id|>assistant<|end_header_id|>\n\nA3<|eot_id|>"),
     "mistral": "[INST] SYS\n\nQ1 [/INST]A1<EOS>[INST] Q2 [/INST]A2<EOS>[INST] Q3 [/INST]A3<EOS>",
     "mistral_v3": "[INST] SYS\n\nQ1[/INST]A1<EOS>[INST] Q2[/INST]A2<EOS>[INST] Q3[/INST]A3<EOS>",
+    "mistral_nemo": "[INST]SYS\n\nQ1[/INST]A1<EOS>[INST]Q2[/INST]A2<EOS>[INST]Q3[/INST]A3<EOS>",
     "llama2_chat": ("[INST] <<SYS>>\nSYS\n<</SYS>>\n\nQ1 [/INST]A1<EOS>"
                     "[INST] Q2 [/INST]A2<EOS>[INST] Q3 [/INST]A3<EOS>"),
     "gemma": ("<start_of_turn>system\nSYS<end_of_turn>\n"
