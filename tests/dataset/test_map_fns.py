@@ -57,6 +57,7 @@ def test_alpaca_zh():
 
 
 def test_oasst1():
+    # Rows alternate Human/Assistant, as the whole dataset does: XTuner 0.2's output, unchanged.
     row = {"text": "### Human: Can you explain contrastive learning?"
                    "### Assistant: Sure! It pulls similar pairs together."
                    "### Human: And negatives?### Assistant: They are pushed apart."
@@ -65,6 +66,27 @@ def test_oasst1():
         {"input": "Can you explain contrastive learning?", "output": "Sure! It pulls similar pairs together."},
         {"input": "And negatives?", "output": "They are pushed apart."},
     ]}
+
+
+def test_oasst1_pairs_by_speaker():
+    # XTuner paired segments by position: this row trained the human's question as the answer.
+    row = {"text": "### Assistant: Hello, how can I help?### Human: What is 2+2?### Assistant: 4"}
+    assert oasst1_map_fn(row) == one_turn("What is 2+2?", "4")
+
+
+def test_oasst1_joins_consecutive_segments_of_one_speaker_as_sharegpt():
+    row = {"text": "### Human: A### Human: B### Assistant: C### Assistant: D### Human: E### Assistant: F"}
+    assert oasst1_map_fn(row) == {"conversation": [{"input": "A\n\nB", "output": "C\n\nD"},
+                                                   {"input": "E", "output": "F"}]}
+    messages = [{"from": "human", "value": "A"}, {"from": "human", "value": "B"}, {"from": "gpt", "value": "C"}]
+    assert oasst1_map_fn({"text": "### Human: A### Human: B### Assistant: C"}) == sharegpt_map_fn(
+        {"conversations": messages})
+
+
+def test_oasst1_without_an_answered_question_is_an_empty_conversation():
+    assert oasst1_map_fn({"text": "### Human: Q1### Assistant: A1### Human: Q2### Human: Q3"}) == one_turn("Q1", "A1")
+    for text in ("### Human: Unanswered", "### Assistant: Hello!", "### Assistant: Hi### Human: Bye", ""):
+        assert oasst1_map_fn({"text": text}) == {"conversation": []}
 
 
 def test_openai():
@@ -177,7 +199,6 @@ def test_pretrain():
 @pytest.mark.parametrize("fn, row, field", [
     (alpaca_map_fn, {"instruction": "x", "input": ""}, "output"),
     (alpaca_map_fn, {"input": "", "output": "y"}, "instruction"),
-    (default_map_fn, {"input": "x", "output": None}, "output"),
     (sql_map_fn, {"context": "c", "answer": "a"}, "question"),
     (pretrain_map_fn, {"content": "text"}, "text"),
     (openai_map_fn, {"conversations": []}, "messages"),
@@ -186,6 +207,23 @@ def test_pretrain():
 def test_missing_field_is_a_map_fn_error_naming_it(fn, row, field):
     with pytest.raises(MapFnError, match=f"no '{field}' field"):
         fn(row)
+
+
+def test_null_field_is_named_as_null_and_missing_field_lists_the_fields_found():
+    with pytest.raises(MapFnError) as null:
+        default_map_fn({"input": "x", "instruction": "y", "output": None})
+    assert str(null.value) == "default_map_fn: field 'output' is null; fill it in or drop this row from the dataset."
+    with pytest.raises(MapFnError) as missing:
+        default_map_fn({"input": "x", "instruction": "y"})
+    assert str(missing.value) == ("default_map_fn: no 'output' field; found fields ['input', 'instruction']. Use the "
+                                  "map fn that matches this dataset's format, or rename the column to 'output'.")
+    with pytest.raises(MapFnError) as null_list:
+        openai_map_fn({"messages": None})
+    assert str(null_list.value) == ("openai_map_fn: field 'messages' is null; "
+                                    "fill it in or drop this row from the dataset.")
+    with pytest.raises(MapFnError) as missing_list:
+        openai_map_fn({"conversations": []})
+    assert str(missing_list.value) == "openai_map_fn: no 'messages' field; found fields ['conversations']."
 
 
 @pytest.mark.parametrize("fn, row, field", [
@@ -205,6 +243,30 @@ def test_map_fn_error_is_a_value_error():
 def test_openai_unknown_role_names_role_and_position():
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]}
     with pytest.raises(MapFnError, match=r"messages\[1\] has role 'tool'"):
+        openai_map_fn(row)
+
+
+def test_openai_system_message_after_the_first_turn_is_an_error_naming_its_position():
+    # Carried to turn 2 the encoder would reject it ("move it to conversation[0]"), advice this format cannot take.
+    row = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                        {"role": "user", "content": "Q2"}, {"role": "system", "content": "Now be terse."},
+                        {"role": "assistant", "content": "A2"}]}
+    with pytest.raises(MapFnError) as error:
+        openai_map_fn(row)
+    assert str(error.value) == ("openai_map_fn: messages[3] is a system message after the first turn, which the "
+                                "standard format does not support (only the first turn has a system prompt); "
+                                "move it before the first assistant message or drop it")
+    # Before the first answer it is still the first turn's system prompt.
+    row = {"messages": [{"role": "user", "content": "Q"}, {"role": "system", "content": "S"},
+                        {"role": "assistant", "content": "A"}]}
+    assert openai_map_fn(row) == {"conversation": [{"system": "S", "input": "Q", "output": "A",
+                                                    "output_with_loss": True}]}
+
+
+def test_openai_error_positions_count_skipped_leading_assistant_messages():
+    row = {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Q"},
+                        {"role": "tool", "content": "{}"}]}
+    with pytest.raises(MapFnError, match=r"messages\[2\] has role 'tool'"):
         openai_map_fn(row)
 
 

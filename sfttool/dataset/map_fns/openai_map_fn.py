@@ -26,20 +26,28 @@ def openai_map_fn(example: dict) -> dict:
     {'conversation': [{'system': 'Be terse.', 'input': 'Tell me a story.', 'output': 'Once, a cat.', 'output_with_loss': False}]}
 
     Leading assistant messages are skipped (nothing asked them); consecutive
-    user messages are concatenated; a system message applies to the next
-    turn; trailing user messages without an answer are dropped. An assistant
+    user messages are concatenated; a system message before the first
+    assistant message is the first turn's ``system``, and one after it is a
+    MapFnError (the standard format has ``system`` on the first turn only);
+    trailing user messages without an answer are dropped. An assistant
     message with ``loss: false`` is kept as context but not trained.
     """
     messages = list_field(example, "messages", "openai_map_fn")
-    while messages and messages[0].get("role") == "assistant":
-        messages = messages[1:]
+    start = 0
+    while start < len(messages) and messages[start].get("role") == "assistant":
+        start += 1
     conversation, system, user = [], "", ""
-    for index, message in enumerate(messages):
+    for index, message in enumerate(messages[start:], start):  # index into the row's own list, for errors
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise MapFnError(f"openai_map_fn: messages[{index}] has role {role!r}; expected 'system', 'user' "
                              f"or 'assistant' (tool and function messages are not supported)")
         content = text_field(message, "content", f"openai_map_fn (messages[{index}])")
+        if role == "system" and conversation:
+            # Carried to a later turn, the encoder would reject it; dropped, the row would train without it.
+            raise MapFnError(f"openai_map_fn: messages[{index}] is a system message after the first turn, "
+                             f"which the standard format does not support (only the first turn has a system "
+                             f"prompt); move it before the first assistant message or drop it")
         if role == "system":
             system = content
         elif role == "user":
