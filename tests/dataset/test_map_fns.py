@@ -89,6 +89,45 @@ def test_oasst1_without_an_answered_question_is_an_empty_conversation():
         assert oasst1_map_fn({"text": text}) == {"conversation": []}
 
 
+def test_oasst1_markdown_heading_in_an_answer_is_kept_whole():
+    # Split at every `###`, the answer was cut at the heading and the steps silently dropped.
+    row = {"text": "### Human: How do I install it?### Assistant: Like this.\n### Steps\n1. a"
+                   "### Human: Thanks!### Assistant: You're welcome."}
+    assert oasst1_map_fn(row) == {"conversation": [
+        {"input": "How do I install it?", "output": "Like this.\n### Steps\n1. a"},
+        {"input": "Thanks!", "output": "You're welcome."},
+    ]}
+
+
+def _oasst1_split_at_every_hash(text):
+    """The previous segmentation (split at every `###`), paired as oasst1_map_fn pairs."""
+    merged = []
+    for segment in text.strip().split("###"):
+        segment = segment.strip()
+        for speaker in ("Human", "Assistant"):
+            if segment.startswith(f"{speaker}:"):
+                body = segment[len(speaker) + 1:].strip()
+                if merged and merged[-1][0] == speaker:
+                    merged[-1] = (speaker, merged[-1][1] + "\n\n" + body)
+                else:
+                    merged.append((speaker, body))
+    while merged and merged[0][0] == "Assistant":
+        merged.pop(0)
+    return {"conversation": [{"input": q, "output": a} for (_, q), (_, a) in zip(merged[0::2], merged[1::2])]}
+
+
+@pytest.mark.parametrize("text", [
+    "### Human: Q1### Assistant: A1### Human: Q2### Assistant: A2",
+    "  ### Human:Q\n\n###\nAssistant:  A \n",
+    "Human: Q### Assistant: A",
+    "preamble ### Human: Q### Assistant: A### Human: unanswered",
+    "### Assistant: hi### Human: Q### Human: more### Assistant: A",
+])
+def test_oasst1_rows_without_other_hashes_are_split_as_before(text):
+    assert oasst1_map_fn({"text": text}) == _oasst1_split_at_every_hash(text)
+    assert oasst1_map_fn({"text": text})["conversation"]
+
+
 def test_openai():
     row = {"messages": [
         {"role": "assistant", "content": "Hi! How can I help?"},  # leading assistant: skipped
@@ -270,9 +309,37 @@ def test_openai_error_positions_count_skipped_leading_assistant_messages():
         openai_map_fn(row)
 
 
+def test_openai_system_messages_before_the_first_answer_are_joined_as_sharegpt():
+    # Only the last one used to be kept: the earlier system prompts were lost.
+    row = {"messages": [{"role": "system", "content": "You are terse."},
+                        {"role": "system", "content": "Answer in French."},
+                        {"role": "user", "content": "Capital of Italy?"}, {"role": "system", "content": "No lists."},
+                        {"role": "assistant", "content": "Rome."},
+                        {"role": "user", "content": "And Spain?"}, {"role": "assistant", "content": "Madrid."}]}
+    assert openai_map_fn(row) == {"conversation": [
+        {"system": "You are terse.\n\nAnswer in French.\n\nNo lists.", "input": "Capital of Italy?",
+         "output": "Rome.", "output_with_loss": True},
+        {"input": "And Spain?", "output": "Madrid.", "output_with_loss": True},
+    ]}
+    # Consecutive system messages, the one layout both formats accept: the same system prompt.
+    both = {"messages": row["messages"][:3] + row["messages"][4:5]}
+    assert openai_map_fn(both)["conversation"][0]["system"] == sharegpt_map_fn(both)["conversation"][0]["system"]
+
+
 def test_wizardlm_unknown_speaker_names_it_and_position():
     row = {"conversations": [{"from": "human", "value": "q"}, {"from": "assistant", "value": "a"}]}
     with pytest.raises(MapFnError, match=r"conversations\[1\] is from 'assistant'"):
+        wizardlm_map_fn(row)
+
+
+def test_wizardlm_error_positions_count_skipped_leading_gpt_messages():
+    row = {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "q"},
+                             {"from": "assistant", "value": "a"}]}
+    with pytest.raises(MapFnError, match=r"conversations\[2\] is from 'assistant'"):
+        wizardlm_map_fn(row)
+    row = {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "gpt", "value": "Welcome."},
+                             {"from": "human", "value": "q"}, {"from": "gpt", "value": None}]}
+    with pytest.raises(MapFnError, match=r"wizardlm_map_fn \(conversations\[3\]\): field 'value' is null"):
         wizardlm_map_fn(row)
 
 

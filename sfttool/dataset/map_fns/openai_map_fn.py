@@ -5,6 +5,7 @@ from sfttool.registry import MAP_FUNC
 
 from ._fields import list_field, text_field
 from .errors import MapFnError
+from .sharegpt_map_fn import JOIN
 
 
 def _with_loss(message: dict) -> bool:
@@ -26,8 +27,9 @@ def openai_map_fn(example: dict) -> dict:
     {'conversation': [{'system': 'Be terse.', 'input': 'Tell me a story.', 'output': 'Once, a cat.', 'output_with_loss': False}]}
 
     Leading assistant messages are skipped (nothing asked them); consecutive
-    user messages are concatenated; a system message before the first
-    assistant message is the first turn's ``system``, and one after it is a
+    user messages are concatenated; the system messages before the first
+    assistant message are the first turn's ``system`` (several are joined
+    with a blank line, as sharegpt_map_fn joins them), and one after it is a
     MapFnError (the standard format has ``system`` on the first turn only);
     trailing user messages without an answer are dropped. An assistant
     message with ``loss: false`` is kept as context but not trained.
@@ -36,7 +38,7 @@ def openai_map_fn(example: dict) -> dict:
     start = 0
     while start < len(messages) and messages[start].get("role") == "assistant":
         start += 1
-    conversation, system, user = [], "", ""
+    conversation, systems, user = [], [], ""
     for index, message in enumerate(messages[start:], start):  # index into the row's own list, for errors
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
@@ -49,12 +51,13 @@ def openai_map_fn(example: dict) -> dict:
                              f"which the standard format does not support (only the first turn has a system "
                              f"prompt); move it before the first assistant message or drop it")
         if role == "system":
-            system = content
+            systems.append(content)
         elif role == "user":
             user += content
         else:
+            system = JOIN.join(systems)
             turn = {"system": system} if system else {}
             turn.update(input=user, output=content, output_with_loss=_with_loss(message))
             conversation.append(turn)
-            system, user = "", ""
+            systems, user = [], ""
     return {"conversation": conversation}

@@ -19,10 +19,11 @@ def wizardlm_map_fn(example: dict) -> dict:
     concatenated. For other role spellings use ``sharegpt_map_fn``.
     """
     messages = list_field(example, "conversations", "wizardlm_map_fn")
-    while messages and messages[0].get("from") == "gpt":
-        messages = messages[1:]
+    start = 0
+    while start < len(messages) and messages[start].get("from") == "gpt":
+        start += 1
     conversation, user = [], ""
-    for index, message in enumerate(messages):
+    for index, message in enumerate(messages[start:], start):  # index into the row's own list, for errors
         value = text_field(message, "value", f"wizardlm_map_fn (conversations[{index}])")
         if message.get("from") == "human":
             user += value
