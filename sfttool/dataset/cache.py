@@ -82,13 +82,13 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 def data_files_digest(dataset_cfg: Any) -> list:
     """Content hashes of the local files a dataset config reads."""
-    from sfttool.dataset.load import data_file_list
+    from sfttool.dataset.load import expand_data_files
     if not isinstance(dataset_cfg, dict):
         return []
-    files = data_file_list(dataset_cfg.get("data_files"))
-    path = dataset_cfg.get("path")
-    if isinstance(path, str) and Path(path).exists():
-        files.append(path)
+    files = expand_data_files(dataset_cfg.get("data_files"))
+    for folder in (dataset_cfg.get("path"), dataset_cfg.get("data_dir")):
+        if isinstance(folder, str) and Path(folder).exists():
+            files.append(folder)
     out = []
     for file in files:
         p = Path(file)

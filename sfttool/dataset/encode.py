@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from sfttool.dataset.errors import DatasetError, where
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import is_hf_chat_template
 
@@ -59,8 +59,8 @@ def _check_text(value: Any, field: str, row: int | None, source: str | None, all
     if not isinstance(value, str):
         name = type(value).__name__
         kind = "missing" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-        raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; "
-                           "fix the data or the dataset_map_fn so every turn has string `input` and `output`")
+        raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; fix the data or "
+                           "the dataset_map_fn so every turn's `system`, `input` and `output` are strings")
     return value
 
 
@@ -83,6 +83,13 @@ def check_conversation(conversation: Any, row: int | None = None, source: str | 
         _check_text(turn.get("input"), f"{field}.input", row, source, allow_none=True)
         if need_output:
             _check_text(turn.get("output"), f"{field}.output", row, source, allow_none=False)
+        _check_text(turn.get("system"), f"{field}.system", row, source, allow_none=True)
+        for flag in ("output_with_loss", "need_eos_token"):
+            value = turn.get(flag)
+            if value is not None and not isinstance(value, bool) and value not in (0, 1):
+                # bool("false") is True: a quoted flag would silently train what it meant to mask.
+                raise DatasetError(f"{where(row, source, f'{field}.{flag}')}: expected true or false, "
+                                   f"got {value!r}")
         if i > 0 and turn.get("system"):
             raise DatasetError(f"{where(row, source, field + '.system')}: `system` is only allowed on the "
                                "first turn; move it to conversation[0]")
@@ -313,7 +320,8 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
     """
     specials = special_token_texts(tokenizer) if hf_chat_template else None
     rows = []
-    for conversation, row in zip(batch["conversation"], indices):
+    row_numbers = batch[ROW_COLUMN] if ROW_COLUMN in batch else indices  # rows as loaded, when numbered
+    for conversation, row in zip(batch["conversation"], row_numbers):
         check_conversation(conversation, row, source, need_output=input_ids_with_output)
         if len(conversation) > 1 and not input_ids_with_output:
             raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "

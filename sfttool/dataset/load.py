@@ -10,7 +10,11 @@ first problem as ``data.jsonl, line 7: ...``.
 """
 from __future__ import annotations
 
+import bz2
+import glob
+import gzip
 import json
+import lzma
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,65 +37,148 @@ def data_file_list(data_files: Any) -> list[str]:
     return [str(f) for f in data_files]
 
 
-def iter_json_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(line, row)`` for each record of a ``.json`` (array) or ``.jsonl`` file."""
+def expand_data_files(data_files: Any) -> list[str]:
+    """``data_file_list`` with glob patterns expanded (as ``datasets`` does), sorted per pattern."""
+    files = []
+    for pattern in data_file_list(data_files):
+        if any(c in pattern for c in "*?["):
+            files += sorted(glob.glob(pattern, recursive=True))
+        else:
+            files.append(pattern)
+    return files
+
+
+# Compressed files ``datasets`` reads that the standard library can open too.
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+def local_json_files(path: Any, data_files: Any) -> list[str]:
+    """The local files a ``load_dataset(path, data_files=...)`` call reads as JSON, to be
+    checked before Arrow sees them; [] when it reads anything else (the hub, CSV, a folder)."""
+    if path not in ("json", "jsonl"):
+        return []
+    files = expand_data_files(data_files)
+    if not files or not all(Path(f).is_file() for f in files):
+        return []  # missing files and folders: datasets reports those itself
+    return [f for f in files if Path(f).suffix.lower() in _OPENERS or _plain(f)]
+
+
+def _plain(path: str) -> bool:
+    return Path(path).suffix.lower() not in (".zst", ".zip", ".lz4", ".tar")
+
+
+def _open_binary(path: Path):
+    return _OPENERS.get(path.suffix.lower(), open)(path, "rb")
+
+
+def iter_json_rows(path: str | Path, field: str | None = None) -> Iterator[tuple[str, Any]]:
+    """``(location, row)`` for each record of a JSON file: an array of objects
+    (location ``"row 3"``) or one object per line (``"line 7"``), whatever its
+    suffix, as ``datasets`` reads both; ``field``: the rows are ``data[field]``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
-    if path.suffix == ".json":
-        yield from _iter_json_array(path)
+    with _open_binary(path) as f:
+        head = f.read(4096).lstrip()
+    if field is not None or head.startswith(b"["):
+        yield from _iter_json_document(path, field)
         return
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with _open_binary(path) as f:
+        for line_no, raw in enumerate(f, 1):
+            line = _decode(raw, path, f"line {line_no}")
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
+                if line_no == 1 and exc.msg == "Expecting property name enclosed in double quotes":
+                    yield from _iter_json_document(path, field)  # one object spread over several lines
+                    return
                 raise DatasetError(f"{path}, line {line_no}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                                   "each line of a .jsonl file must be one JSON object") from None
+                                   "each line must be one JSON object (or the file one JSON array)") from None
+            if "\\ud" in line.lower():
+                _check_surrogates(row, path, f"line {line_no}")
+            yield f"line {line_no}", row
 
 
-def _iter_json_array(path: Path) -> Iterator[tuple[int, Any]]:
-    text = path.read_text(encoding="utf-8")
+def _decode(raw: bytes, path: Path, location: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}, {location}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                           f"{exc.start + 1}); save the file as UTF-8") from None
+
+
+def _check_surrogates(row: Any, path: Path, location: str) -> None:
+    """A lone \\ud83d escape (half an emoji, cut by a truncating tool) is valid JSON but not text."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DatasetError(f"{path}, {location}: a lone surrogate escape (e.g. \\ud83d without its pair) is "
+                           "not text; the string was probably cut in the middle of an emoji") from None
+
+
+def _iter_json_document(path: Path, field: str | None) -> Iterator[tuple[str, Any]]:
+    with _open_binary(path) as f:
+        text = _decode(f.read(), path, "somewhere")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if field is not None:
+        if not isinstance(data, dict) or field not in data:
+            raise DatasetError(f"{path}: no top-level field {field!r} (load_dataset(..., field={field!r}))")
+        data = data[field]
     if not isinstance(data, list):
         raise DatasetError(f"{path}: expected a JSON array of rows, got a {type(data).__name__}; "
-                           "write [{...}, {...}] or use .jsonl (one object per line)")
+                           "write [{...}, {...}], one object per line, or pass field=... to load_dataset")
+    if "\\ud" in text.lower():
+        _check_surrogates(data, path, "somewhere")
     # Line numbers of array items are not kept by json; report item numbers as "row".
     for i, row in enumerate(data):
-        yield i, row
+        yield f"row {i}", row
 
 
-def check_json_file(path: str | Path, standard: bool | None = None) -> int:
+def check_json_file(path: str | Path, standard: bool | None = None, field: str | None = None) -> int:
     """Validate every row of a JSON/JSONL file; return the row count.
 
-    Rows must be objects whose fields keep one type across rows (Arrow needs
-    that). Rows with a ``conversation`` (or all rows when ``standard``) are
-    validated against the standard schema.
+    Rows must be objects whose fields, nested ones included, keep one type
+    across rows (Arrow needs that). Rows with a ``conversation`` (or all rows
+    when ``standard``) are validated against the standard schema.
     """
     from sfttool.dataset.encode import check_conversation
-    kinds: dict[str, tuple[str, int]] = {}
-    unit = "row" if Path(path).suffix == ".json" else "line"
+    kinds: dict[str, tuple[str, str]] = {}
     count = 0
-    for line, row in iter_json_rows(path):
+    for location, row in iter_json_rows(path, field):
         count += 1
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}, {unit} {line}: expected a JSON object, got {type(row).__name__}")
-        for key, value in row.items():
-            kind = _kind(value)
-            first = kinds.setdefault(key, (kind, line))
-            if kind != "null" and first[0] != "null" and kind != first[0]:
-                raise DatasetError(f"{path}, {unit} {line}, field {key!r}: a {kind} here but a {first[0]} "
-                                   f"at {unit} {first[1]}; every row must use the same type per field")
-            if first[0] == "null" and kind != "null":
-                kinds[key] = (kind, line)
+            raise DatasetError(f"{path}, {location}: expected a JSON object, got {type(row).__name__}")
         if standard or (standard is None and "conversation" in row):
-            check_conversation(row.get("conversation"), source=f"{path}, {unit} {line}")
+            check_conversation(row.get("conversation"), source=f"{path}, {location}")
+        for name, kind in _field_kinds(row):
+            first = kinds.setdefault(name, (kind, location))
+            if kind != "null" and first[0] != "null" and kind != first[0]:
+                raise DatasetError(f"{path}, {location}, field {name!r}: a {kind} here but a {first[0]} "
+                                   f"at {first[1]}; every row must use the same type per field")
+            if first[0] == "null" and kind != "null":
+                kinds[name] = (kind, location)
     return count
+
+
+def _field_kinds(value: dict, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """``(name, kind)`` of every field, nested ones as ``conversation[].system``."""
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        kind = _kind(item)
+        yield name, kind
+        if kind == "object":
+            yield from _field_kinds(item, name + ".")
+        elif kind == "list":
+            for element in item:
+                element_kind = _kind(element)
+                yield name + "[]", element_kind
+                if element_kind == "object":
+                    yield from _field_kinds(element, name + "[].")
 
 
 def _kind(value: Any) -> str:
@@ -104,16 +191,10 @@ def _kind(value: Any) -> str:
     return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def is_local_json(path: Any, data_files: Any) -> bool:
-    """Whether a ``load_dataset(path, data_files=...)`` call reads local JSON files."""
-    files = data_file_list(data_files)
-    return path in ("json", "jsonl") and bool(files) and all(Path(f).exists() for f in files)
-
-
 def load_json_dataset(data_files: Any, split: str = "train", standard: bool | None = None):
     """Validate local JSON/JSONL files, then load them with ``datasets``."""
     from datasets import load_dataset
-    for path in data_file_list(data_files):
+    for path in local_json_files("json", data_files):
         check_json_file(path, standard)
     return load_dataset("json", data_files=data_files, split=split)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError
 from sfttool.registry import MAP_FUNC, build_if_config
 
 
@@ -33,7 +33,7 @@ class PipelineReport:
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
     encoded: int = 0  # samples tokenized (before rows without trained tokens are dropped)
     truncated: int = 0
-    tokens_before_truncation: int = 0
+    tokens_cut: int = 0
     tokens: int = 0
     trained_tokens: int = 0
     sample_lengths: list[int] = field(default_factory=list)
@@ -49,6 +49,15 @@ def log(message: str, level: int = logging.INFO) -> None:
 
 # ---------------------------------------------------------------------------
 # Resolving arguments (objects or configs).
+
+def dataset_config(dataset: Any) -> Any:
+    """A dataset config with its own arguments built (``data_files=dict(type=builtin_data_file, ...)``
+    becomes a path) but not itself, so the files can be checked before ``load_dataset`` runs."""
+    from sfttool.registry import build
+    if not (isinstance(dataset, dict) and "type" in dataset):
+        return dataset
+    return dict(type=dataset["type"], **{k: build(v, f"dataset.{k}") for k, v in dataset.items() if k != "type"})
+
 
 def resolve_dataset(dataset: Any, split: str, validate: bool = True):
     """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``)."""
@@ -66,17 +75,15 @@ def resolve_dataset(dataset: Any, split: str, validate: bool = True):
 def validate_json_source(dataset_cfg: Any) -> None:
     """For ``dict(type=load_dataset, path='json', data_files=...)`` on local files, check
     every line first so a malformed one is reported by file and line, not by Arrow."""
-    from sfttool.dataset.load import check_json_file, data_file_list, is_local_json
+    from sfttool.dataset.load import check_json_file, local_json_files
     if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
         return
     type_ = dataset_cfg["type"]
     name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
     if name.rsplit(".", 1)[-1] != "load_dataset":
         return
-    path, files = dataset_cfg.get("path"), dataset_cfg.get("data_files")
-    if is_local_json(path, files):
-        for file in data_file_list(files):
-            check_json_file(file)
+    for file in local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files")):
+        check_json_file(file, field=dataset_cfg.get("field"))
 
 
 def resolve_map_fn(map_fn: Any) -> Callable | None:
@@ -140,6 +147,9 @@ class SafeMapFn:
         self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
 
     def __call__(self, row: dict, index: int) -> dict:
+        if ROW_COLUMN in row:
+            index = row[ROW_COLUMN]
+            row = {k: v for k, v in row.items() if k != ROW_COLUMN}
         try:
             return self.fn(row)
         except Exception as exc:  # a user fn may raise anything: report where
@@ -162,6 +172,15 @@ def source_name(dataset_cfg: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # Stages. Each takes a dataset and returns a new one, updating the report.
 
+def number_rows(dataset):
+    """Add ``ROW_COLUMN`` (the row's index in the loaded data) unless it is there."""
+    if ROW_COLUMN in dataset.column_names:
+        return dataset
+    if getattr(dataset, "_indices", None) is not None:  # a selected view: number what it shows
+        dataset = dataset.flatten_indices()
+    return dataset.add_column(ROW_COLUMN, np.arange(len(dataset)))
+
+
 def select_rows(dataset, max_dataset_length: int | None, seed: int, report: PipelineReport):
     """Keep a seeded random subset of ``max_dataset_length`` rows (in file order)."""
     if max_dataset_length is None or max_dataset_length >= len(dataset):
@@ -183,8 +202,9 @@ def apply_template(dataset, template_map_fn: Callable, num_proc: int):
 def require_conversation(dataset) -> None:
     """Raw data without a map fn: say which map fn to set (XTuner's first check)."""
     if "conversation" not in dataset.column_names:
+        columns = ", ".join(c for c in dataset.column_names if c != ROW_COLUMN)
         raise DatasetError(
-            f"rows have no `conversation` (columns: {', '.join(dataset.column_names)}); data that is not in "
+            f"rows have no `conversation` (columns: {columns}); data that is not in "
             "the standard format needs a dataset_map_fn (e.g. alpaca_map_fn, sharegpt_map_fn)")
 
 
@@ -216,7 +236,8 @@ def _keep(dataset, mask: np.ndarray, reason: str, report: PipelineReport):
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, hf_chat_template: bool,
            remove_unused_columns: bool, num_proc: int, source: str | None):
     from sfttool.dataset.encode import encode_batch
-    remove = dataset.column_names if remove_unused_columns else ["conversation"]
+    remove = dataset.column_names if remove_unused_columns else ["conversation", ROW_COLUMN]
+    remove = [name for name in remove if name in dataset.column_names]
     mode = "chat template" if hf_chat_template else "template"
     return dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
                        features=_encoded_features(dataset, remove),
@@ -250,7 +271,7 @@ def count_truncated(dataset, report: PipelineReport) -> None:
     full, kept = table["num_tokens"].to_numpy(), table["length"].to_numpy()
     report.encoded = len(full)
     report.truncated = int((full > kept).sum())
-    report.tokens_before_truncation = int(full.sum())
+    report.tokens_cut = int((full - kept).sum())
 
 
 def require_rows(dataset, report: PipelineReport):
@@ -308,7 +329,7 @@ def log_report(report: PipelineReport, max_length: int) -> None:
         log(f"Dataset: dropped {count} rows: {reason}", logging.WARNING)
     if report.truncated:
         log(f"Dataset: truncated {report.truncated} samples at max_length={max_length} "
-            f"({report.tokens_before_truncation - report.tokens} tokens cut)", logging.WARNING)
+            f"({report.tokens_cut} tokens cut)", logging.WARNING)
     if report.tokens:
         log(f"Dataset: {report.tokens} tokens, {report.trained_tokens} trained "
             f"({100 * report.trained_tokens / report.tokens:.1f}%)")
@@ -327,16 +348,18 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
                  max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=(),
                  shuffle_before_pack=True, pack_to_max_length=True, input_ids_with_output=True,
                  map_num_proc=None, seed=0, pack_strategy="bfd", do_dataset_tokenization=True,
-                 keep_stages=False):
+                 source=None, keep_stages=False):
     """All stages in order; returns ``(dataset, PipelineReport)``.
 
     ``keep_stages`` stores the dataset after each stage in ``report.stages``
     (``check-custom-dataset`` prints them).
     """
-    source = source_name(dataset)
+    source = source or source_name(dataset)
     template = template_of(template_map_fn)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     dataset = resolve_dataset(dataset, split)
+    if do_dataset_tokenization:
+        dataset = number_rows(dataset)
     map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
     report = PipelineReport(rows_in=len(dataset))
     stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
@@ -368,15 +391,16 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         table = to_table(dataset)
         count_tokens(table, report)
     else:
-        table = _pretokenized_table(dataset)
+        table = _pretokenized_table(dataset, max_length, report)
     dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
     stage("packed" if pack_to_max_length else "rows", dataset)
     report.rows_out = len(dataset)
     return dataset, report
 
 
-def _pretokenized_table(dataset):
-    """``do_dataset_tokenization=False``: rows must already hold input_ids and labels."""
+def _pretokenized_table(dataset, max_length: int, report: PipelineReport):
+    """``do_dataset_tokenization=False``: rows must already hold input_ids and labels of equal
+    length; rows longer than ``max_length`` are cut there and counted, as encoded ones are."""
     import pyarrow as pa
     import pyarrow.compute as pc
     missing = {"input_ids", "labels"} - set(dataset.column_names)
@@ -384,19 +408,34 @@ def _pretokenized_table(dataset):
         raise DatasetError(f"do_dataset_tokenization=False needs columns input_ids and labels; "
                            f"missing {', '.join(sorted(missing))}")
     table = to_table(dataset)
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
+    label_lengths = pc.list_value_length(table["labels"]).to_numpy(zero_copy_only=False)
+    if (lengths != label_lengths).any():
+        row = int(np.flatnonzero(lengths != label_lengths)[0])
+        raise DatasetError(f"row {row}: {lengths[row]} input_ids but {label_lengths[row]} labels; "
+                           "pre-tokenized rows need one label per token")
+    if (lengths > max_length).any():
+        report.encoded, report.truncated = len(lengths), int((lengths > max_length).sum())
+        report.tokens_cut = int((lengths - np.minimum(lengths, max_length)).sum())
+        table = table.set_column(table.column_names.index("input_ids"), "input_ids",
+                                 pc.list_slice(table["input_ids"], 0, max_length))
+        table = table.set_column(table.column_names.index("labels"), "labels",
+                                 pc.list_slice(table["labels"], 0, max_length))
     labels = table["labels"].combine_chunks()
     trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
                           minlength=len(table))
     table = table.append_column("num_trained", pa.array(trained))
     table = table.append_column("length", pc.list_value_length(table["input_ids"]))
-    return table.append_column("num_tokens", table["length"])
+    table = table.append_column("num_tokens", table["length"])
+    count_tokens(table, report)
+    return table
 
 
 def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=None, template_map_fn=None,
                        max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=[],
                        shuffle_before_pack=True, pack_to_max_length=True, use_varlen_attn=False,
                        input_ids_with_output=True, with_image_token=False, map_num_proc=None, seed=0,
-                       pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True):
+                       pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True, source=None):
     """XTuner's ``process_hf_dataset``: a training ``datasets.Dataset`` from raw data.
 
     >>> ds = process_hf_dataset(rows, tokenizer, max_length=2048,
@@ -406,18 +445,20 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
 
     New arguments: ``seed`` (every shuffle and subset), ``pack_strategy``
     (``'bfd'`` never splits a sample; ``'concat'`` is XTuner's cut),
-    ``cache_dir`` (reuse a processed dataset when nothing that changes it did).
+    ``cache_dir`` (reuse a processed dataset when nothing that changes it did),
+    ``source`` (the data file(s) errors name when ``dataset`` is already built).
     ``map_num_proc=None`` picks a process count from the CPU count and data size.
     ``use_varlen_attn`` only matters to the collate fn and model (rows always
     carry per-sample position_ids); as in XTuner it requires packing.
     """
-    _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token)
-    args = dict(dataset=dataset, tokenizer=tokenizer, max_length=max_length, dataset_map_fn=dataset_map_fn,
-                template_map_fn=template_map_fn, max_dataset_length=max_dataset_length, split=split,
+    _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
+                    max_dataset_length)
+    args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
+                dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn, max_dataset_length=max_dataset_length, split=split,
                 remove_unused_columns=remove_unused_columns, rename_maps=list(rename_maps),
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
-                pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization)
+                pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return cached_pipeline(cache_dir, args)
@@ -426,10 +467,19 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     return result
 
 
-def _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token) -> None:
+# The registry hands `dataset` over as its config, unbuilt: local JSON files are then checked line by
+# line before Arrow reads them, errors name the file, and the cache key hashes the files' content.
+process_hf_dataset.build_args_lazily = ("dataset",)
+
+
+def _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
+                    max_dataset_length=None) -> None:
     from sfttool.dataset.pack import STRATEGIES
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
         raise DatasetError(f"max_length must be a positive integer, got {max_length!r}")
+    if max_dataset_length is not None and (not isinstance(max_dataset_length, int)
+                                           or isinstance(max_dataset_length, bool) or max_dataset_length <= 0):
+        raise DatasetError(f"max_dataset_length must be a positive integer or None, got {max_dataset_length!r}")
     if use_varlen_attn and not pack_to_max_length:
         raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
     if pack_strategy not in STRATEGIES:

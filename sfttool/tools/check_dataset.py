@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError
 from sfttool.registry import resolve_type
 
 Echo = Callable[[str], None]
@@ -67,10 +67,11 @@ def pipeline_args(node: dict) -> dict:
     """The node's arguments with process_hf_dataset's defaults filled in."""
     import inspect
 
-    from sfttool.dataset.pipeline import process_hf_dataset
+    from sfttool.dataset.pipeline import dataset_config, process_hf_dataset
     args = {name: p.default for name, p in inspect.signature(process_hf_dataset).parameters.items()
             if p.default is not inspect.Parameter.empty}
     args.update({k: v for k, v in node.items() if k != "type"})
+    args["dataset"] = dataset_config(args["dataset"])
     return args
 
 
@@ -208,7 +209,8 @@ def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
     names = {"loaded": "raw row", "map_fn": "after dataset_map_fn", "template": "after template_map_fn"}
     for key, title in names.items():
         if key in report.stages and len(report.stages[key]):
-            echo(f"\n== {title} (row 0) ==\n{_short(report.stages[key][0])}")
+            row = {k: v for k, v in report.stages[key][0].items() if k != ROW_COLUMN}
+            echo(f"\n== {title} (row 0) ==\n{_short(row)}")
     encoded = report.stages.get("encoded")
     if encoded is not None and len(encoded):
         row = encoded[0]
@@ -285,17 +287,17 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     """All checks and printouts for one process_hf_dataset node."""
     import inspect
 
-    from sfttool.dataset.load import check_json_file, data_file_list, is_local_json
+    from sfttool.dataset.load import check_json_file, local_json_files
     from sfttool.dataset.pipeline import (resolve_dataset, resolve_map_fn, run_pipeline, source_name,
                                           template_of)
     from sfttool.registry import build_if_config
     args = pipeline_args(node)
     errors_before = len(findings.errors)
     raw_cfg = args["dataset"]
-    if isinstance(raw_cfg, dict) and is_local_json(raw_cfg.get("path"), raw_cfg.get("data_files")):
-        for file in data_file_list(raw_cfg.get("data_files")):
+    if isinstance(raw_cfg, dict):
+        for file in local_json_files(raw_cfg.get("path"), raw_cfg.get("data_files")):
             echo(f"Checking every line of {file}")
-            _guard(findings, check_json_file, file, False)
+            _guard(findings, check_json_file, file, False, raw_cfg.get("field"))
     if len(findings.errors) > errors_before:
         return
     echo("Building the dataset ...")

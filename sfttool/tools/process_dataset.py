@@ -156,12 +156,16 @@ def _shard_datasets(node: dict, shard_rows: int):
                 "only map-style datasets (process_hf_dataset) can be saved")
         yield dataset
         return
-    from sfttool.dataset.pipeline import PipelineReport, resolve_dataset, select_rows
+    from sfttool.dataset.pipeline import (PipelineReport, dataset_config, number_rows, resolve_dataset, select_rows,
+                                          source_name)
 
     # Built once for all shards; the saved folder replaces any pipeline cache.
     args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", "cache_dir")}
-    raw = resolve_dataset(node["dataset"], args.pop("split", "train"))
-    # Row selection is global (the same rows training would pick), sharding comes after.
+    dataset_cfg = dataset_config(node["dataset"])
+    args.setdefault("source", source_name(dataset_cfg))
+    raw = resolve_dataset(dataset_cfg, args.pop("split", "train"))
+    # Rows are numbered and selected globally (the same rows training would pick), sharded after.
+    raw = number_rows(raw) if args.get("do_dataset_tokenization", True) else raw
     raw = select_rows(raw, args.pop("max_dataset_length", None), args.get("seed", 0), PipelineReport())
     n_shards = max(1, -(-len(raw) // shard_rows))
     for i in range(n_shards):

@@ -47,8 +47,8 @@ def test_bad_json_array(tmp_path):
     path.write_text('[\n  {"conversation": []},\n  {"conversation": \n]', encoding="utf-8")
     with pytest.raises(DatasetError, match=r"d.json, line 4: invalid JSON"):
         check_json_file(path)
-    path.write_text('{"conversation": []}', encoding="utf-8")
-    with pytest.raises(DatasetError, match="expected a JSON array of rows"):
+    path.write_text('{\n  "conversation": []\n}\n', encoding="utf-8")  # one object over several lines
+    with pytest.raises(DatasetError, match="expected a JSON array of rows, got a dict"):
         check_json_file(path)
 
 
@@ -68,3 +68,94 @@ def test_pipeline_validates_json_config_first(tmp_path, tiny_tokenizer):
     with pytest.raises(DatasetError, match=r"d.jsonl, line 2: invalid JSON"):
         process_hf_dataset(dict(type=load_dataset, path="json", data_files=str(path)), tiny_tokenizer,
                            max_length=32, template_map_fn=template_map_fn_factory("qwen_chat"))
+
+
+# ---------------------------------------------------------------------------
+# What datasets reads, we check: content decides the format, compressed files, globs, nested fields.
+
+def test_the_content_decides_the_format_not_the_suffix(tmp_path):
+    lines_in_json = write_lines(tmp_path / "lines.json", [json.dumps(GOOD)] * 2)
+    array_upper = tmp_path / "array.JSON"
+    array_upper.write_text(json.dumps([GOOD] * 3), encoding="utf-8")
+    one_object = write_lines(tmp_path / "one.json", [json.dumps(GOOD)])
+    assert [check_json_file(p) for p in (lines_in_json, array_upper, one_object)] == [2, 3, 1]
+    for path, n in ((lines_in_json, 2), (array_upper, 3)):
+        assert len(load_dataset("json", data_files=str(path), split="train")) == n  # datasets agrees
+
+
+def test_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b'\n{"conversation": [{"input": "caf\xe9", "output": "a"}]}\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2: not UTF-8 text \(byte 0xe9 at column 33\)"):
+        check_json_file(path)
+
+
+def test_a_lone_surrogate_is_named(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), '{"conversation": [{"input": "q\\ud83d", '
+                                                                '"output": "a"}]}'])
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2: a lone surrogate escape"):
+        check_json_file(path)
+    write_lines(path, ['{"conversation": [{"input": "q\\ud83d\\ude00", "output": "a"}]}'])  # a whole emoji
+    assert check_json_file(path) == 1
+
+
+def test_gzip_file_is_checked_and_loads(tmp_path, tiny_tokenizer):
+    import gzip
+    path = tmp_path / "d.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(GOOD) + "\n{oops}\n")
+    with pytest.raises(DatasetError, match=r"d.jsonl.gz, line 2: invalid JSON"):
+        process_hf_dataset(dict(type=load_dataset, path="json", data_files=str(path)), tiny_tokenizer,
+                           max_length=32, template_map_fn=template_map_fn_factory("qwen_chat"))
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(GOOD) + "\n")
+    out = process_hf_dataset(dict(type=load_dataset, path="json", data_files=str(path)), tiny_tokenizer,
+                             max_length=32, template_map_fn=template_map_fn_factory("qwen_chat"))
+    assert len(out) == 1
+
+
+def test_glob_data_files_are_checked(tmp_path):
+    from sfttool.dataset.load import local_json_files
+    (tmp_path / "parts").mkdir()
+    write_lines(tmp_path / "parts" / "a.jsonl", [json.dumps(GOOD)])
+    write_lines(tmp_path / "parts" / "b.jsonl", [json.dumps(GOOD), "{oops}"])
+    files = local_json_files("json", str(tmp_path / "parts" / "*.jsonl"))
+    assert [p.rsplit("/", 1)[-1] for p in files] == ["a.jsonl", "b.jsonl"]
+    with pytest.raises(DatasetError, match=r"b.jsonl, line 2: invalid JSON"):
+        for path in files:
+            check_json_file(path)
+    assert local_json_files("json", str(tmp_path / "parts")) == []  # a folder: datasets resolves it
+    assert local_json_files("csv", str(tmp_path / "parts" / "a.jsonl")) == []
+
+
+def test_nested_field_types_must_agree_across_rows(tmp_path):
+    rows = [{"conversation": [{"input": "q", "output": "a", "score": 1}]},
+            {"conversation": [{"input": "q", "output": "a", "score": "high"}]}]
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2, field 'conversation\[\].score': a string here "
+                                           r"but a number at line 1"):
+        check_json_file(path)
+    write_lines(path, [json.dumps({"tags": ["a", 1]})])
+    with pytest.raises(DatasetError, match=r"line 1, field 'tags\[\]': a number here but a string at line 1"):
+        check_json_file(path)
+
+
+@pytest.mark.parametrize("turn, message", [
+    ({"system": ["Be nice"], "input": "q", "output": "a"}, r"field 'conversation\[0\].system': expected a string, "
+                                                            r"got a list"),
+    ({"input": "q", "output": "a", "output_with_loss": "false"},
+     r"field 'conversation\[0\].output_with_loss': expected true or false, got 'false'"),
+])
+def test_turn_fields_other_than_input_and_output_are_checked(tmp_path, turn, message):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"conversation": [turn]})])
+    with pytest.raises(DatasetError, match=message):
+        check_json_file(path)
+
+
+def test_field_argument_reads_the_rows_under_it(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"version": 1, "data": [GOOD, {"conversation": [{"input": 1, "output": "a"}]}]}))
+    with pytest.raises(DatasetError, match=r"d.json, row 1, field 'conversation\[0\].input': expected a string"):
+        check_json_file(path, field="data")
+    with pytest.raises(DatasetError, match=r"no top-level field 'rows'"):
+        check_json_file(path, field="rows")

@@ -156,6 +156,8 @@ def test_bad_row_names_row_and_field(tiny_tokenizer):
     (dict(max_length=0), "max_length must be a positive integer"),
     (dict(use_varlen_attn=True, pack_to_max_length=False), "use_varlen_attn=True needs pack_to_max_length"),
     (dict(pack_strategy="ffd"), "pack_strategy must be one of bfd, concat"),
+    (dict(max_dataset_length=-1), r"max_dataset_length must be a positive integer or None, got -1"),
+    (dict(max_dataset_length=2.5), r"max_dataset_length must be a positive integer or None, got 2.5"),
 ])
 def test_bad_settings(kw, message, tiny_tokenizer):
     with pytest.raises(DatasetError, match=message):
@@ -173,6 +175,36 @@ def test_pretokenized_rows(tiny_tokenizer):
     data = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
     ds = run(data, tiny_tokenizer, do_dataset_tokenization=False, max_length=8, template_map_fn=None)
     assert ds[0]["sample_lengths"] in ([3, 2], [2, 3])
+
+
+def test_pretokenized_rows_are_checked_and_cut_like_encoded_ones(tiny_tokenizer):
+    from sfttool.dataset.pipeline import run_pipeline
+    bad = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5, 6], "labels": [-100, 6]}]
+    with pytest.raises(DatasetError, match=r"row 1: 3 input_ids but 2 labels"):
+        run(bad, tiny_tokenizer, do_dataset_tokenization=False, max_length=8, template_map_fn=None)
+    long = [{"input_ids": list(range(1, 12)), "labels": list(range(1, 12))}, {"input_ids": [4, 5], "labels": [4, 5]}]
+    for pack in (True, False):
+        ds, report = run_pipeline(Dataset.from_list(long), tiny_tokenizer, max_length=8, do_dataset_tokenization=False,
+                                  pack_to_max_length=pack)
+        assert (report.truncated, report.tokens_cut, report.tokens) == (1, 3, 10)
+        assert max(len(r) for r in ds["input_ids"]) == 8 and sum(len(r) for r in ds["input_ids"]) == 10
+
+
+def test_tokens_cut_counts_only_truncation(tiny_tokenizer):
+    """A dropped row (nothing trained) is not counted as cut tokens."""
+    from sfttool.dataset.pipeline import run_pipeline
+    long = {"conversation": [{"input": "q", "output": " ".join(["word"] * 40)}]}
+    masked = {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]}
+    ds, report = run_pipeline(Dataset.from_list([long, masked]), tiny_tokenizer, max_length=24, template_map_fn=QWEN)
+    full = len(encode_rows([long], tiny_tokenizer)[0])
+    assert report.dropped == {"no trained token (answer empty, masked or truncated away)": 1}
+    assert (report.truncated, report.tokens_cut) == (1, full - 24)
+
+
+def encode_rows(rows, tokenizer):
+    from sfttool.dataset.encode import encode_batch
+    conversations = [template_map_fn_factory("qwen_chat")(r)["conversation"] for r in rows]
+    return encode_batch({"conversation": conversations}, range(len(rows)), tokenizer, 10**6)["input_ids"]
 
 
 def test_nothing_left_is_an_error(tiny_tokenizer):
@@ -288,3 +320,40 @@ def test_abandoned_cache_partials_are_removed_only_when_their_writer_is_gone(tmp
     removed = remove_abandoned_partials(tmp_path)
     assert [p.name for p in removed] == [names["killed"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["abc", names["running"], names["elsewhere"]])
+
+
+# ---------------------------------------------------------------------------
+# Errors name the row as loaded, from every entry point.
+
+def test_a_config_built_by_the_registry_checks_json_first(tmp_path, tiny_tokenizer_dir):
+    """Training builds process_hf_dataset from its config: the dataset argument reaches it unbuilt, so a bad
+    line is reported by file and line (not Arrow's traceback) and row errors name the file."""
+    from sfttool.registry import build
+    good = '{"conversation": [{"input": "q", "output": "a"}]}'
+    path = tmp_path / "d.jsonl"
+    path.write_text(good + "\n{oops}\n")
+    cfg = dict(type=process_hf_dataset, dataset=dict(type=load_dataset, path="json", data_files=str(path)),
+               tokenizer=dict(type="transformers.AutoTokenizer.from_pretrained",
+                              pretrained_model_name_or_path=str(tiny_tokenizer_dir)),
+               max_length=32, template_map_fn=dict(type=template_map_fn_factory, template="qwen_chat"))
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2: invalid JSON"):
+        build(cfg)
+    path.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q", "output": null}\n')
+    cfg["dataset_map_fn"] = "alpaca_map_fn"
+    with pytest.raises(DatasetError, match=r"d.jsonl, row 1: dataset_map_fn alpaca_map_fn failed"):
+        build(cfg)
+
+
+def test_errors_name_the_loaded_row_after_max_dataset_length(tiny_tokenizer):
+    data = [{"conversation": [{"input": "q", "output": "a"}]} for _ in range(10)]
+    data[7] = {"conversation": [{"input": "q", "output": None}]}
+    ds = Dataset.from_list(data)
+    with pytest.raises(DatasetError, match=r"^row 7, field 'conversation\[0\].output'"):
+        run(ds, tiny_tokenizer, template_map_fn=None, max_dataset_length=9, seed=1)
+
+
+def test_row_numbers_stay_out_of_the_rows(tiny_tokenizer):
+    from sfttool.dataset.errors import ROW_COLUMN
+    data = [{"conversation": [{"input": "q", "output": "a"}], "id": i} for i in range(3)]
+    out = run(data, tiny_tokenizer, pack_to_max_length=False)
+    assert ROW_COLUMN not in out.column_names and out["id"] == [0, 1, 2]

@@ -132,3 +132,17 @@ def test_clear_errors(tmp_path):
     cfg_path.write_text("train_dataloader = dict(batch_size=1)\n")
     result = CliRunner().invoke(cli, ["process-dataset", str(cfg_path), "--out", str(tmp_path / "o")])
     assert result.exit_code == 1 and "train_dataloader.dataset" in result.output
+
+
+def test_a_bad_row_in_a_later_shard_is_named_by_file_and_row(tmp_path, tiny_tokenizer_dir):
+    """Rows keep their numbers as loaded through max_dataset_length and sharding."""
+    from sfttool.dataset import DatasetError
+    rows = [{"instruction": f"q{i}", "output": "a"} for i in range(10)]
+    rows[7]["output"] = None
+    data = assets.write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    cfg_path = write_config(tmp_path, tiny_tokenizer_dir, data)
+    text = cfg_path.read_text().replace("pack_to_max_length=True,", "pack_to_max_length=True, "
+                                        "dataset_map_fn='alpaca_map_fn', max_dataset_length=9,")
+    cfg_path.write_text(text)
+    with pytest.raises(DatasetError, match=r"alpaca.jsonl, row 7: dataset_map_fn alpaca_map_fn failed"):
+        process_dataset(load_config(cfg_path), tmp_path / "out", shard_rows=3)
