@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable
 
 from sfttool import compat
+from sfttool.config import overrides
 from sfttool.config.bases import find_syntax_error
 
 
@@ -52,6 +53,8 @@ def find_config(name_or_path: str | Path) -> Path:
         return path.resolve()
     if path.is_file():
         raise ConfigError(f"{path}: a config must be a Python file ending in .py")
+    if len(path.parts) > 1:  # a folder was named: never run a built-in of the same name instead
+        raise ConfigError(f"{path}: no such config file")
     builtin = builtin_config_dir() / f"{path.stem if path.suffix == '.py' else name_or_path}.py"
     if builtin.is_file() and not builtin.stem.startswith("_"):
         return builtin
@@ -64,15 +67,10 @@ def find_config(name_or_path: str | Path) -> Path:
 
 def parse_cfg_options(options: Iterable[str]) -> dict:
     """``['a.b=1', 'c=[1,2]']`` -> ``{'a.b': 1, 'c': [1, 2]}`` (values parsed as Python literals)."""
-    from mmengine.config import DictAction
-
-    result: dict = {}
-    for item in options:
-        if "=" not in item:
-            raise ConfigError(f"--cfg-options {item!r}: expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        result[key.strip()] = DictAction._parse_iterable(value)
-    return result
+    try:
+        return overrides.parse_cfg_options(options)
+    except overrides.OverrideError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(name_or_path: str | Path, cfg_options: dict | Iterable[str] | None = None):
@@ -99,49 +97,16 @@ def load_config(name_or_path: str | Path, cfg_options: dict | Iterable[str] | No
     if cfg_options:
         if not isinstance(cfg_options, dict):
             cfg_options = parse_cfg_options(cfg_options)
-        check_overrides_take_effect(cfg, cfg_options, path)
+        try:
+            overrides.check_overrides(cfg, cfg_options, path)
+        except overrides.OverrideError as exc:
+            raise ConfigError(str(exc)) from None
         try:
             cfg.merge_from_dict(cfg_options)
         except Exception as exc:  # mmengine raises several types for bad keys
             raise ConfigError(f"{path}: --cfg-options could not be applied: {exc}") from None
     resolve_lazy_imports(cfg, path)
     return cfg
-
-
-# Top-level keys that the runner, the train entry or the tools read themselves.
-# Any other top-level name is a PART 1 setting whose value was copied into the
-# dicts that use it when the config was executed.
-BUILT_KEYS = frozenset({
-    "model", "tokenizer", "train_dataloader", "train_dataset", "optim_wrapper", "param_scheduler", "train_cfg",
-    "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness", "seed",
-    "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters"})
-
-
-def _leaves(node, prefix: str = ""):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from _leaves(value, f"{prefix}.{i}")
-    else:
-        yield prefix, node
-
-
-def check_overrides_take_effect(cfg, overrides: dict, path: Path) -> None:
-    """``--cfg-options lr=1e-4`` would change the variable ``lr`` but not
-    ``optim_wrapper.optimizer.lr``, which already holds a copy: refuse it and
-    name the keys to override instead."""
-    for key in overrides:
-        if "." in key or key in BUILT_KEYS or key not in cfg:
-            continue
-        old = cfg[key]
-        users = [dotted for dotted, value in _leaves(cfg._cfg_dict)
-                 if dotted.split(".")[0] in BUILT_KEYS and type(value) is type(old) and value == old]
-        fix = (f"override the keys built from it instead, e.g. --cfg-options {users[0]}=...; it is used by "
-               + ", ".join(users[:6])) if users else "override the built key that uses it instead"
-        raise ConfigError(f"{path}: --cfg-options {key}: `{key}` is a setting that the config copied into the "
-                          f"dicts it builds, so changing it alone has no effect; {fix}")
 
 
 def resolve_lazy_imports(cfg, path: Path) -> None:

@@ -35,6 +35,12 @@ def family(tmp_path):
         """)
 
 
+def test_a_path_with_a_folder_never_falls_back_to_a_builtin(tmp_path):
+    name = "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
+    with pytest.raises(ConfigError, match=r"my_edits/qwen2_5_7b_instruct_qlora_alpaca_e3.py: no such config file$"):
+        find_config(str(tmp_path / "my_edits" / name))
+
+
 def test_find_config_by_name_by_name_with_suffix_and_by_path(tmp_path):
     name = "qwen2_5_7b_instruct_qlora_alpaca_e3"
     expected = builtin_config_dir() / f"{name}.py"
@@ -79,17 +85,20 @@ def test_inheritance_from_another_working_directory(family, tmp_path, monkeypatc
 
 
 def test_cfg_options_override_nested_keys_lists_and_literals(family):
-    cfg = load_config(str(family), ["model.lr=0.5", "hooks.log.interval=1", "extra=[1,2]",
-                                    "model.name=other", "flag=True"])
+    cfg = load_config(str(family), ["model.lr=0.5", "hooks.log.interval=1", "model.extra=[1,2]",
+                                    "model.name=other", "model.flag=True"])
     assert cfg.model.lr == 0.5 and cfg.hooks.log.interval == 1
-    assert cfg.extra == [1, 2] and cfg.model.name == "other" and cfg.flag is True
+    assert cfg.model.extra == [1, 2] and cfg.model.name == "other" and cfg.model.flag is True
     assert cfg.lr == 2e-4  # only the named key changes
 
 
 def test_parse_cfg_options_rejects_an_item_without_equals():
     assert parse_cfg_options(["a.b=1", "c=x"]) == {"a.b": 1, "c": "x"}
-    with pytest.raises(ConfigError, match="--cfg-options 'lr': expected KEY=VALUE"):
-        parse_cfg_options(["lr"])
+    for item in ("lr", "=5", "a..b=1"):
+        with pytest.raises(ConfigError, match=f"--cfg-options '{item}': expected KEY=VALUE"):
+            parse_cfg_options([item])
+    with pytest.raises(ConfigError, match=r"--cfg-options 'a=\[1,2': cannot parse the value"):
+        parse_cfg_options(["a=[1,2"])
 
 
 def test_syntax_error_names_the_file_and_line(tmp_path):
@@ -175,3 +184,39 @@ def test_overriding_a_copied_setting_is_refused_with_the_built_keys(tmp_path):
     assert "optim_wrapper.optimizer.lr" in str(info.value) and str(path) in str(info.value)
     assert load_config(path, ["optim_wrapper.optimizer.lr=1e-4"]).optim_wrapper.optimizer.lr == 1e-4
     assert load_config(path, ["seed=7"]).seed == 7  # read by the train entry itself
+
+
+def test_an_override_of_a_name_the_config_lacks_is_refused_with_close_matches(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("max_length = 64\nmodel = dict(n=max_length)\n")
+    with pytest.raises(ConfigError, match=r"--cfg-options max_lenght: the config has no setting `max_lenght` "
+                                          r"\(did you mean max_length\?\)"):
+        load_config(path, ["max_lenght=32"])
+    assert load_config(path, ["work_dir='w'"]).work_dir == "w"  # read by the runner: may be added
+
+
+def test_a_copied_dict_and_copies_of_copies_name_the_key_that_is_built(tmp_path):
+    """train_dataset is copied into train_dataloader: overriding it reaches nothing; seed went into
+    randomness. The keys named are the ones the runner builds from, found in the config source."""
+    path = tmp_path / "c.py"
+    path.write_text("max_length = 64\nseed = 1\nalpha = 16\naccum = 16\n"
+                    "train_dataset = dict(max_length=max_length, seed=seed)\n"
+                    "train_dataloader = dict(dataset=train_dataset, batch_size=1)\n"
+                    "model = dict(lora=dict(alpha=alpha))\noptim_wrapper = dict(accumulative_counts=accum)\n"
+                    "randomness = dict(seed=seed)\n")
+    cases = {"train_dataset.max_length=8": "train_dataloader.dataset.max_length$",
+             "max_length=8": "train_dataloader.dataset.max_length$",
+             "seed=3": "randomness.seed, train_dataloader.dataset.seed$",
+             "accum=8": "optim_wrapper.accumulative_counts$"}
+    for option, keys in cases.items():
+        with pytest.raises(ConfigError, match=r"copied `\w+` into the dicts it builds, .* instead: " + keys):
+            load_config(path, [option])
+    cfg = load_config(path, ["train_dataloader.dataset.max_length=8"])
+    assert cfg.train_dataloader.dataset.max_length == 8
+
+
+def test_a_builtin_config_names_the_right_keys():
+    with pytest.raises(ConfigError, match=r"instead: optim_wrapper.accumulative_counts$"):
+        load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["accumulative_counts=8"])
+    with pytest.raises(ConfigError, match=r"instead: model.lora.r$"):
+        load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["lora_config.r=8"])
