@@ -220,3 +220,24 @@ def test_a_builtin_config_names_the_right_keys():
         load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["accumulative_counts=8"])
     with pytest.raises(ConfigError, match=r"instead: model.lora.r$"):
         load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["lora_config.r=8"])
+
+
+def test_misspelt_arguments_of_what_the_runner_builds_are_reported_before_training():
+    """mmengine builds these when training starts (the checkpoint hook passes unknown names on to the
+    first save): validation names each misspelt argument with its closest match, all at once."""
+    options = ["default_hooks.checkpoint.intrval=2", "train_dataloader.batch_sise=2",
+               "train_dataloader.sampler.shufle=False", "optim_wrapper.optimizer.weight_decy=0.1",
+               "train_cfg.max_itrs=2"]
+    name = "qwen2_5_0_5b_instruct_lora_alpaca_e3"
+    assert validate_config(load_config(name), "c.py") == []
+    errors = validate_config(load_config(name, options), "c.py")
+    assert sorted(errors) == sorted([
+        "c.py: default_hooks.checkpoint.intrval: CheckpointHook takes no argument `intrval` (did you mean interval?)",
+        "c.py: train_dataloader.batch_sise: DataLoader takes no argument `batch_sise` (did you mean batch_size or "
+        "batch_sampler?)",
+        "c.py: train_dataloader.sampler.shufle: DefaultSampler takes no argument `shufle` (did you mean shuffle?)",
+        "c.py: optim_wrapper.optimizer.weight_decy: AdamW takes no argument `weight_decy` (did you mean "
+        "weight_decay?)",
+        "c.py: train_cfg.max_itrs: TrainLoop takes no argument `max_itrs` (did you mean max_iters?)"])
+    # Names the checkpoint hook hands to Runner.save_checkpoint are accepted.
+    assert validate_config(load_config(name, ["default_hooks.checkpoint.save_optimizer=False"]), "c.py") == []
