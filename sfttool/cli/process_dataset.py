@@ -1,6 +1,8 @@
 """`sfttool process-dataset CONFIG --out DIR`: tokenize and pack once, train many times."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from sfttool.cli.errors import register_user_error, user_errors
@@ -42,7 +44,10 @@ def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, cfg_option
     if efficiency is not None:
         click.echo(f"Packing efficiency {efficiency:.1%} of {manifest['max_length']} tokens per row; "
                    f"fingerprint {manifest['fingerprint']}")
-    click.echo(f"Use it with: train_dataset = dict(type=load_processed_dataset, path={str(out_dir)!r})")
+    click.echo("Use it: in PART 3 of the config, replace the train_dataset assignment (it must stay before "
+               "train_dataloader, which copies it) with\n"
+               "    from sfttool.tools.process_dataset import load_processed_dataset\n"
+               f"    train_dataset = dict(type=load_processed_dataset, path={str(Path(out_dir).resolve())!r})")
 
 
 def _register_dataset_error() -> None:
