@@ -7,11 +7,14 @@
 
 A ratio is how many times each row of that dataset is used: 1.0 = every row
 once, 0.25 = a seeded random quarter, 2.5 = every row twice plus a random
-half. Each dataset is processed (and packed) on its own, then rows are
-concatenated, so packed rows never mix sources.
+half (a fractional count of rows rounds half up: 0.5 of 5 rows is 3). Each
+dataset is processed (and packed) on its own, then rows are concatenated, so
+packed rows never mix sources. Every dataset's count is logged.
 """
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,7 +30,7 @@ def sample_indices(n: int, ratio: float, rng: np.random.Generator) -> np.ndarray
     6
     """
     whole, frac = int(ratio), ratio - int(ratio)
-    extra = rng.permutation(n)[:int(round(frac * n))]
+    extra = rng.permutation(n)[:math.floor(frac * n + 0.5)]  # half up: Python's round() goes to even
     return np.concatenate([np.tile(np.arange(n), whole), np.sort(extra)]).astype(np.int64)
 
 
@@ -40,18 +43,24 @@ def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None,
     ratios = [1.0] * len(datasets) if ratios is None else list(ratios)
     if len(ratios) != len(datasets):
         raise DatasetError(f"mix_datasets: {len(datasets)} datasets but {len(ratios)} ratios; give one per dataset")
-    if any(not isinstance(r, (int, float)) or r < 0 for r in ratios):
-        raise DatasetError(f"mix_datasets: ratios must be numbers >= 0, got {ratios}")
+    if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0 for r in ratios):
+        raise DatasetError(f"mix_datasets: ratios must be finite numbers >= 0, got {ratios}")
+    from sfttool.dataset.pipeline import log
     rng = np.random.default_rng(seed)
-    parts = []
+    parts, sizes = [], []
     for i, (dataset, ratio) in enumerate(zip(datasets, ratios)):
         dataset = build_if_config(dataset, f"datasets[{i}]")
         indices = sample_indices(len(dataset), float(ratio), rng)
+        sizes.append(len(dataset))
+        log(f"Dataset mix: datasets[{i}]: {len(dataset)} rows x {ratio} -> {len(indices)} rows")
+        if len(indices) == 0 and len(dataset) and ratio > 0:
+            log(f"Dataset mix: datasets[{i}]: ratio {ratio} of {len(dataset)} rows selects none", logging.WARNING)
         if len(indices):
             parts.append(dataset.select(indices))
     if not parts:
-        raise DatasetError("mix_datasets: every ratio selected zero rows")
+        raise DatasetError(f"mix_datasets: no rows to train on (dataset sizes {sizes}, ratios {ratios})")
     mixed = concatenate_datasets(parts)
+    log(f"Dataset mix: {len(mixed)} rows from {len(parts)} of {len(datasets)} datasets")
     return mixed.shuffle(seed=seed) if shuffle else mixed
 
 

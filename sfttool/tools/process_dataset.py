@@ -225,8 +225,12 @@ def read_manifest(path: str | Path) -> dict:
 
 
 @BUILDER.register_module()
-def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = None):
+def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = None,
+                           max_length: int | None = None):
     """Open a dataset saved by ``sfttool process-dataset`` (memory-mapped, nothing re-tokenized).
+
+    ``expected_fingerprint`` refuses a folder whose data changed; ``max_length``
+    one packed for another row length. What was loaded is logged.
 
     >>> ds = load_processed_dataset('processed/alpaca')
     >>> ds.column_names
@@ -234,10 +238,17 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
     """
     import datasets
 
+    from sfttool.dataset.pipeline import log
     manifest = read_manifest(path)
     if expected_fingerprint is not None and manifest["fingerprint"] != expected_fingerprint:
         raise ProcessedDatasetError(
             f"{path}: fingerprint {manifest['fingerprint']} differs from the expected "
             f"{expected_fingerprint}; re-run `sfttool process-dataset` or update expected_fingerprint")
+    if max_length is not None and manifest["max_length"] != max_length:
+        raise ProcessedDatasetError(
+            f"{path}: processed with max_length={manifest['max_length']}, but this config asks for "
+            f"max_length={max_length}; re-run `sfttool process-dataset` with this config")
+    log(f"Dataset: {manifest['rows']} processed rows from {path} (max_length {manifest['max_length']}, "
+        f"fingerprint {manifest['fingerprint']}, config_hash {manifest['config_hash']})")
     parts = [datasets.load_from_disk(str(Path(path) / DATA_DIR / s["name"])) for s in manifest["shards"]]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

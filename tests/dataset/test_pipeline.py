@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict, load_dataset
 
@@ -18,6 +19,20 @@ QWEN = dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat)
 @pytest.fixture
 def rows():
     return assets.tiny_conversations(64, seed=0)
+
+
+def logged(fn, *args, **kwargs):
+    """``(fn(...), the text it logged through mmengine's logger)``."""
+    from mmengine.logging import MMLogger
+    messages = []
+    logger = MMLogger.get_current_instance()
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        return fn(*args, **kwargs), "\n".join(messages)
+    finally:
+        logger.removeHandler(handler)
 
 
 def run(rows_or_ds, tok, **kw):
@@ -93,18 +108,8 @@ def test_drops_are_counted_and_logged(tiny_tokenizer):
             {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]},
             {"conversation": [{"input": "hello " * 100, "output": "a"}]},
             {"conversation": [{"input": "q", "output": "answer"}]}]
-    messages = []
-    from mmengine.logging import MMLogger
-    logger = MMLogger.get_current_instance()
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger.addHandler(handler)
-    try:
-        ds = run(data, tiny_tokenizer, max_length=32, pack_to_max_length=True)
-    finally:
-        logger.removeHandler(handler)
+    ds, text = logged(run, data, tiny_tokenizer, max_length=32, pack_to_max_length=True)
     assert len(ds) == 1 and ds[0]["sample_lengths"] == [ds[0]["length"]]
-    text = "\n".join(messages)
     assert "4 rows in, 1 rows out" in text
     assert "dropped 1 rows: empty conversation" in text
     assert "dropped 2 rows: no trained token" in text
@@ -273,6 +278,24 @@ def test_mix_with_ratios(rows, tiny_tokenizer):
     assert len(built) == len(a) + len(b)
     with pytest.raises(DatasetError, match="2 datasets but 1 ratios"):
         mix_datasets([a, b], ratios=[1.0])
+
+
+def test_mix_rounds_half_up_checks_ratios_and_logs_counts():
+    from sfttool.dataset import mix_datasets
+    from sfttool.dataset.mix import sample_indices
+    rng = np.random.default_rng(0)
+    assert [sample_indices(n, 0.5, rng).size for n in (1, 5, 7)] == [1, 3, 4]
+    a, b = Dataset.from_dict({"x": list(range(5))}), Dataset.from_dict({"x": list(range(100, 103))})
+    for bad in (float("nan"), float("inf"), -1, True):
+        with pytest.raises(DatasetError, match="ratios must be finite numbers >= 0"):
+            mix_datasets([a, b], ratios=[1.0, bad])
+    with pytest.raises(DatasetError, match=r"no rows to train on \(dataset sizes \[0\], ratios \[1.0\]\)"):
+        mix_datasets([Dataset.from_dict({"x": []})], ratios=[1.0])
+    mixed, text = logged(mix_datasets, [a, b], ratios=[0.5, 1e-9], seed=0)
+    assert len(mixed) == 3
+    assert "datasets[0]: 5 rows x 0.5 -> 3 rows" in text
+    assert "datasets[1]: ratio 1e-09 of 3 rows selects none" in text
+    assert "3 rows from 1 of 2 datasets" in text
 
 
 def test_default_num_proc():

@@ -146,3 +146,12 @@ def test_a_bad_row_in_a_later_shard_is_named_by_file_and_row(tmp_path, tiny_toke
     cfg_path.write_text(text)
     with pytest.raises(DatasetError, match=r"alpaca.jsonl, row 7: dataset_map_fn alpaca_map_fn failed"):
         process_dataset(load_config(cfg_path), tmp_path / "out", shard_rows=3)
+
+
+def test_loading_checks_max_length_when_asked(tmp_path, tiny_tokenizer_dir, data_file):
+    cfg = load_config(write_config(tmp_path, tiny_tokenizer_dir, data_file))
+    process_dataset(cfg, tmp_path / "out")
+    assert len(load_processed_dataset(tmp_path / "out", max_length=256)) == read_manifest(tmp_path / "out")["rows"]
+    with pytest.raises(ProcessedDatasetError, match=r"processed with max_length=256, but this config asks for "
+                                                    r"max_length=512"):
+        load_processed_dataset(tmp_path / "out", max_length=512)
