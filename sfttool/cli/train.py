@@ -51,6 +51,11 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
         errors = validate_config(cfg, cfg.filename)
         if errors:
             raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+        from sfttool.engine.train import check_work_dir, resolve_resume, resolve_work_dir
+
+        run_dir = resolve_work_dir(cfg, work_dir)  # the workers check it too; a refusal then says it once
+        check_work_dir(run_dir, resume)
+        resolve_resume(resume, run_dir, deepspeed)
         worker_args = _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options)
         code = launch.launch(plan, worker_args + (["--trust-remote-code"] if trust_remote_code else []))
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary

@@ -9,7 +9,12 @@
   we record the exact Python/numpy/torch RNG states in the message hub (which
   every checkpoint holds, DeepSpeed's too) and restore them, so dropout draws
   continue unchanged.
-- ``find_latest_checkpoint``: the newest *complete* checkpoint in a work dir.
+- ``find_latest_checkpoint``: the checkpoint ``--resume`` continues from, the
+  one ``last_checkpoint`` names (else the newest *complete* one).
+- ``check_checkpoint_fits``: a checkpoint of another model or LoRA shape fails
+  with a one-line error before training, not inside the optimizer.
+- ``ignore_frozen_weights_on_load``: a LoRA checkpoint holds the adapter only,
+  so loading it does not report every frozen base weight as missing.
 """
 from __future__ import annotations
 
@@ -30,14 +35,41 @@ _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
 
 
 def find_latest_checkpoint(work_dir: str | os.PathLike) -> Path | None:
-    """``work_dir/iter_N.pth`` with the largest N (file or DeepSpeed folder);
-    unfinished ``.tmp`` saves are ignored."""
+    """The checkpoint ``work_dir/last_checkpoint`` names, when it is complete;
+    else ``work_dir/iter_N.pth`` with the largest N (file or DeepSpeed folder).
+    Unfinished ``.tmp`` saves are never considered.
+
+    The pointer wins over the largest N: after ``--resume iter_100.pth`` in a
+    folder that also holds an older run's ``iter_3000.pth``, the run continued
+    is the one that wrote ``last_checkpoint``."""
+    work_dir = Path(work_dir)
+    named = _last_checkpoint(work_dir)
+    if named is not None:
+        return named
     best = None
-    for path in Path(work_dir).glob("iter_*.pth"):
+    for path in work_dir.glob("iter_*.pth"):
         match = _CKPT_RE.match(path.name)
         if match and (best is None or int(match.group(1)) > best[0]):
             best = (int(match.group(1)), path)
     return best[1] if best else None
+
+
+def _last_checkpoint(work_dir: Path) -> Path | None:
+    """The complete ``iter_N.pth`` that ``work_dir/last_checkpoint`` names, or None.
+
+    The hook writes the pointer only after the checkpoint is renamed into place,
+    so a named checkpoint that exists is complete. The pointer holds an absolute
+    path: in a work dir copied or moved elsewhere the same name here is meant."""
+    try:
+        named = Path((work_dir / "last_checkpoint").read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not _CKPT_RE.match(named.name):
+        return None
+    for candidate in (work_dir / named.name, named):  # the second: a hook with its own out_dir
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def _replace(src: str, dst: str) -> None:
@@ -164,3 +196,90 @@ def restore_rng_state(runner) -> bool:
                   level=logging.WARNING)
     _set_rng_state(states[rank % len(states)])
     return True
+
+
+# ---------------------------------------------------------------------------
+# Resuming: does the checkpoint fit the model built from this run's config?
+
+def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
+    """Raise ``ConfigError`` unless the weights in checkpoint ``path`` (a file) have
+    exactly the keys and shapes of ``model.state_dict()`` (LoRA: the adapter).
+
+    mmengine loads the model non-strictly, so without this a checkpoint of
+    another model or LoRA rank is skipped in silence and the optimizer state then
+    fails with a size mismatch, or the optimizer's parameter groups do not match."""
+    from sfttool.config import ConfigError
+
+    path = Path(path)
+    checkpoint = _load_weights_only(path)
+    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ConfigError(f"--resume {path} holds no state dict (not a checkpoint of sfttool train); "
+                          "pass an iter_<N>.pth of the run to continue")
+    # mmengine strips a DDP wrapper's ``module.`` when it loads; compare the same names
+    saved = {re.sub(r"^module\.", "", k): list(v.shape) for k, v in state.items() if hasattr(v, "shape")}
+    own = {k: list(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    resized = [k for k in own if k in saved and saved[k] != own[k]]
+    problems = []  # each: how many, and the first with its shape
+    if missing:
+        problems.append(f"tensors missing from the checkpoint: {len(missing)}, first {missing[0]} {own[missing[0]]}")
+    if unexpected:
+        problems.append(f"tensors the model does not have: {len(unexpected)}, first {unexpected[0]} "
+                        f"{saved[unexpected[0]]}")
+    if resized:
+        k = resized[0]
+        problems.append(f"tensors of another shape: {len(resized)}, first {k} {saved[k]} in the checkpoint, "
+                        f"{own[k]} in the model")
+    if problems:
+        raise ConfigError(f"--resume {path} does not fit this model ({'; '.join(problems)}); resume with the "
+                          "config (and --cfg-options) the checkpoint was trained with: "
+                          f"{_trained_config(path, checkpoint.get('meta'))}")
+
+
+def _load_weights_only(path: Path) -> dict:
+    """The checkpoint as ``--resume`` loads it (``weights_only`` with sfttool's allow-list,
+    ``sfttool.compat.allow_mmengine_checkpoint_globals``); memory-mapped, so the check
+    reads little more than the tensors' headers."""
+    import torch
+
+    from sfttool import compat
+
+    compat.allow_mmengine_checkpoint_globals()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _trained_config(path: Path, meta) -> str:
+    """The config mmengine dumped beside the checkpoint when it was trained: the
+    ``*.py`` whose text is the checkpoint's ``meta.cfg`` (DeepSpeed also leaves its
+    ``zero_to_fp32.py`` there)."""
+    text = meta.get("cfg") if isinstance(meta, dict) else None
+    for candidate in sorted(path.parent.glob("*.py")):
+        if text is not None and candidate.read_text(errors="replace") == text:
+            return str(candidate)
+    return f"{path.parent}/<config name>.py"
+
+
+def ignore_frozen_weights_on_load(model) -> None:
+    """Keep frozen weights that ``model.state_dict()`` leaves out by design (LoRA's
+    base model) off the missing keys when a checkpoint is loaded into ``model``.
+
+    mmengine's loader compares a checkpoint with every parameter of every
+    submodule, not with the model's own ``state_dict``, and prints "The model and
+    loaded state dict do not match exactly" listing the whole frozen base model on
+    every LoRA resume, which reads like a failure. It reports what the load post
+    hooks leave, so this hook removes exactly those keys; unexpected keys and
+    missing trainable ones are still reported (and ``check_checkpoint_fits``
+    stops the run on them first)."""
+    import torch
+
+    def drop_frozen(module, incompatible) -> None:
+        every = torch.nn.Module.state_dict(module, keep_vars=True)  # without the model's own filter
+        left_out = set(every) - set(module.state_dict(keep_vars=True))
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in left_out]
+
+    model.register_load_state_dict_post_hook(drop_frozen)

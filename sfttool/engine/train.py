@@ -37,11 +37,10 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     remote_code_policy(cfg, trust_remote_code)
-    work_dir = Path(work_dir or cfg.get("work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
-    from sfttool.engine.safety import check_work_dir_writable
-    check_work_dir_writable(work_dir)  # fail now, not at the first checkpoint hours later
+    work_dir = resolve_work_dir(cfg, work_dir)
+    check_work_dir(work_dir, resume)  # fail now, not at the first checkpoint hours later
     seed = _seed(cfg, seed)
-    resume_from = resolve_resume(resume, work_dir)  # a bad --resume or --deepspeed fails before any building
+    resume_from = resolve_resume(resume, work_dir, deepspeed)  # a bad --resume fails before any building
     if deepspeed:
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg)
@@ -62,11 +61,15 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
 def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | None, resume_from: str | None) -> None:
     from mmengine.runner import set_random_seed
 
+    from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
 
     set_random_seed(seed)
     dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
     model = build(cfg.model, "model")
+    ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
+    if resume_from and not deepspeed:  # DeepSpeed's folders load only with its own pickled objects: not checked
+        check_checkpoint_fits(resume_from, model)  # another model's checkpoint: one line, before any building
     runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from)
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
         runner.train()
@@ -265,21 +268,51 @@ def _build_hook(hook: Any, key: str) -> Any:
     return build(hook, key)
 
 
-def resolve_resume(resume: str | None, work_dir: Path) -> str | None:
-    """``--resume`` (auto) -> newest complete checkpoint in the work dir; a path -> itself."""
+def resolve_work_dir(cfg: Any, work_dir: str | None) -> Path:
+    """``--work-dir``, else the config's ``work_dir``, else ``./work_dirs/<config name>``."""
+    return Path(work_dir or cfg.get("work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
+
+
+def check_work_dir(work_dir: Path, resume: str | None) -> None:
+    """A writable folder, and without an earlier run's checkpoints unless ``--resume``
+    continues it: a run started over would overwrite its ``iter_N.pth``,
+    ``last_checkpoint``, dumped config and HF export."""
+    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.engine.safety import WorkDirError, check_work_dir_writable
+
+    if work_dir.is_file():
+        raise WorkDirError(f"work dir {work_dir} is a file, not a folder; choose another folder with --work-dir")
+    check_work_dir_writable(work_dir)
+    earlier = None if resume else find_latest_checkpoint(work_dir)
+    if earlier is not None:
+        raise WorkDirError(f"{work_dir} already holds checkpoints of an earlier run (newest: {earlier.name}); "
+                           "pass --resume to continue it, or choose another --work-dir (or remove those checkpoints)")
+
+
+def resolve_resume(resume: str | None, work_dir: Path, deepspeed: str | None = None) -> str | None:
+    """``--resume`` (auto) -> the work dir's latest complete checkpoint; a path -> itself.
+    Either must be of the kind ``--deepspeed`` loads: a folder with it, a file without."""
     from sfttool.engine.checkpoint import find_latest_checkpoint
 
     if not resume:
         return None
     if resume == "auto":
-        latest = find_latest_checkpoint(work_dir)
-        if latest is None:
+        path = find_latest_checkpoint(work_dir)
+        if path is None:
             raise ConfigError(f"--resume: no checkpoint (iter_*.pth) in {work_dir}; "
                               "train without --resume or pass a checkpoint path")
-        return str(latest)
-    if not Path(resume).exists():
-        raise ConfigError(f"--resume {resume}: no such checkpoint")
-    return str(Path(resume).resolve())
+    else:
+        path = Path(resume)
+        if not path.exists():
+            raise ConfigError(f"--resume {resume}: no such checkpoint")
+    path = path.resolve()
+    if deepspeed and not path.is_dir():
+        raise ConfigError(f"--resume {path} was saved without DeepSpeed (a file; DeepSpeed saves a folder); "
+                          "resume it without --deepspeed")
+    if not deepspeed and path.is_dir():
+        raise ConfigError(f"--resume {path} is a DeepSpeed checkpoint (a folder); resume it with --deepspeed "
+                          "and the preset it was trained with")
+    return str(path)
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,

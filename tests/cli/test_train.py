@@ -49,6 +49,84 @@ def test_in_process_runs_keep_a_one_process_deepspeed_group_usable(tmp_path, tin
     assert dist.is_initialized()
 
 
+def _snapshot(folder: Path) -> dict:
+    """Bytes and times of a run's outputs: checkpoints, pointer, dumped config, HF export. (Not its text log:
+    later runs in this same process log dataset building to the logger mmengine still holds current.)"""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix != ".log"}
+
+
+@pytest.mark.slow
+def test_rerunning_into_a_work_dir_with_checkpoints_is_refused_and_resume_checks_the_checkpoint(
+        tmp_path, tiny_cfg, tiny_qwen2_dir, tiny_sft_jsonl, capfd):
+    """The same command again after a crash must not start over and overwrite the
+    earlier run; a checkpoint that does not fit the config is named in one line."""
+    work = tmp_path / "work"
+    first = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work)])
+    assert first.exit_code == 0, first.output
+    before = _snapshot(work)
+    assert {"iter_4.pth", "iter_8.pth", "last_checkpoint", "tiny.py", "hf_adapter/adapter_model.safetensors",
+            "hf_adapter/sfttool_config.py"} <= set(before)
+
+    again = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work)])
+    assert again.exit_code == 1
+    assert again.output.endswith(f"Error: {work} already holds checkpoints of an earlier run (newest: iter_8.pth); "
+                                 "pass --resume to continue it, or choose another --work-dir (or remove those "
+                                 "checkpoints)\n")
+
+    ckpt = work / "iter_4.pth"
+    fit = f"resume with the config (and --cfg-options) the checkpoint was trained with: {work}/tiny.py\n"
+    other_rank = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "r4"), "--resume",
+                                          str(ckpt), "--cfg-options", "model.lora.r=4"])
+    assert other_rank.exit_code == 1
+    assert other_rank.output.endswith(
+        f"Error: --resume {ckpt} does not fit this model (tensors of another shape: 28, first "
+        "llm.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight [8, 64] in the checkpoint, "
+        "[4, 64] in the model); " + fit)
+    full_cfg = write_config(tmp_path / "full.py", tiny_qwen2_dir, tiny_sft_jsonl, lora=False)
+    full = CliRunner().invoke(cli, ["train", str(full_cfg), "--work-dir", str(tmp_path / "full"), "--resume",
+                                    str(ckpt)])
+    assert full.exit_code == 1
+    assert f"Error: --resume {ckpt} does not fit this model (tensors missing from the checkpoint: 27, " \
+           "first llm.model.embed_tokens.weight [512, 64]; tensors the model does not have: 28, first " in full.output
+    assert full.output.endswith(fit)
+    with_ds = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "ds"), "--resume",
+                                       str(ckpt), "--deepspeed", "zero2"])
+    assert with_ds.output.endswith(f"Error: --resume {ckpt} was saved without DeepSpeed (a file; DeepSpeed saves "
+                                   "a folder); resume it without --deepspeed\n")
+    assert _snapshot(work) == before
+    assert not list((tmp_path / "r4").iterdir()) and not list((tmp_path / "full").iterdir())
+
+    capfd.readouterr()
+    resumed = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "cont"), "--resume",
+                                       str(ckpt)])
+    assert resumed.exit_code == 0, resumed.output
+    out, err = capfd.readouterr()
+    assert "Resuming at iteration 4" in resumed.output + out + err
+    assert "do not match" not in resumed.output + out + err  # no list of the frozen base weights
+
+
+def test_a_multi_process_run_refuses_an_earlier_runs_work_dir_before_launching(tmp_path, tiny_cfg):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "iter_4.pth").write_bytes(b"x")
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--nproc-per-node", "2"])
+    assert result.exit_code == 1
+    assert result.output.endswith(f"Error: {work} already holds checkpoints of an earlier run (newest: iter_4.pth); "
+                                  "pass --resume to continue it, or choose another --work-dir (or remove those "
+                                  "checkpoints)\n")
+    assert (work / "iter_4.pth").read_bytes() == b"x"
+
+
+def test_work_dir_that_is_a_file_is_a_one_line_error(tmp_path, tiny_cfg):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(afile)])
+    assert result.exit_code == 1
+    assert result.output.endswith(f"Error: work dir {afile} is a file, not a folder; choose another folder with "
+                                  "--work-dir\n")
+
+
 def test_resume_in_an_empty_work_dir_is_a_one_line_error(tmp_path, tiny_cfg):
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "none"), "--resume"])
     assert result.exit_code == 1

@@ -102,3 +102,179 @@ def test_rng_states_of_more_ranks_than_this_run_restore_rank_0s_with_a_warning()
         logger.removeHandler(handler)
     assert random.random() == expected
     assert any("RNG states of 2 process(es) and this run has 1" in r.getMessage() for r in records)
+
+
+def test_latest_checkpoint_is_the_one_last_checkpoint_names(tmp_path):
+    """Mixed runs in one folder: the pointer names the run that was continued last."""
+    from sfttool.engine.checkpoint import find_latest_checkpoint
+
+    (tmp_path / "iter_3000.pth").write_bytes(b"x")  # an older, longer run
+    (tmp_path / "iter_100.pth").write_bytes(b"x")
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "iter_100.pth"))
+    assert find_latest_checkpoint(tmp_path).name == "iter_100.pth"
+
+    moved = tmp_path / "moved"  # a copied work dir: its pointer still names the old folder
+    moved.mkdir()
+    (moved / "iter_100.pth").write_bytes(b"x")
+    (moved / "last_checkpoint").write_text(str(tmp_path / "iter_100.pth"))
+    assert find_latest_checkpoint(moved) == moved / "iter_100.pth"
+
+
+@pytest.mark.parametrize("pointer", ["iter_200.pth", "iter_200.pth.tmp", "", "garbage"])
+def test_a_pointer_to_no_complete_checkpoint_falls_back_to_the_newest(tmp_path, pointer):
+    from sfttool.engine.checkpoint import find_latest_checkpoint
+
+    (tmp_path / "iter_100.pth").write_bytes(b"x")
+    (tmp_path / "iter_200.pth.tmp").write_bytes(b"partial")  # killed mid-save, before the pointer moved
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / pointer) if pointer else "")
+    assert find_latest_checkpoint(tmp_path).name == "iter_100.pth"
+
+
+def test_resume_checkpoint_kind_must_match_deepspeed(tmp_path):
+    from sfttool.config import ConfigError
+    from sfttool.engine.train import resolve_resume
+
+    (tmp_path / "iter_4.pth").write_bytes(b"x")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "iter_4.pth").mkdir()  # DeepSpeed saves a folder
+    with pytest.raises(ConfigError) as err:
+        resolve_resume(str(tmp_path / "iter_4.pth"), tmp_path, deepspeed="zero2")
+    assert str(err.value) == (f"--resume {tmp_path}/iter_4.pth was saved without DeepSpeed (a file; DeepSpeed "
+                              "saves a folder); resume it without --deepspeed")
+    with pytest.raises(ConfigError) as err:
+        resolve_resume("auto", tmp_path / "ds")
+    assert str(err.value) == (f"--resume {tmp_path}/ds/iter_4.pth is a DeepSpeed checkpoint (a folder); resume "
+                              "it with --deepspeed and the preset it was trained with")
+    assert resolve_resume("auto", tmp_path / "ds", deepspeed="zero2") == str(tmp_path / "ds" / "iter_4.pth")
+    assert resolve_resume("auto", tmp_path) == str(tmp_path / "iter_4.pth")
+
+
+def _snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_work_dir_with_an_earlier_runs_checkpoints_is_refused_and_left_alone(tmp_path):
+    from sfttool.engine.safety import WorkDirError
+    from sfttool.engine.train import check_work_dir
+
+    work = tmp_path / "work"
+    work.mkdir()
+    for name, text in (("iter_2000.pth", "a"), ("iter_3000.pth", "b"), ("tiny.py", "x = 1\n"),
+                       ("hf_adapter/adapter_config.json", "{}")):
+        (work / name).parent.mkdir(exist_ok=True)
+        (work / name).write_text(text)
+    (work / "last_checkpoint").write_text(str(work / "iter_3000.pth"))
+    before = _snapshot(work)
+    with pytest.raises(WorkDirError) as err:
+        check_work_dir(work, resume=None)
+    assert str(err.value) == (f"{work} already holds checkpoints of an earlier run (newest: iter_3000.pth); pass "
+                              "--resume to continue it, or choose another --work-dir (or remove those checkpoints)")
+    assert _snapshot(work) == before
+    check_work_dir(work, resume="auto")   # continuing it is the point
+    check_work_dir(work, resume=str(work / "iter_2000.pth"))
+
+
+def test_a_work_dir_without_complete_checkpoints_can_be_trained_into(tmp_path):
+    from sfttool.engine.train import check_work_dir
+
+    (tmp_path / "iter_4.pth.tmp").write_bytes(b"partial")  # the first save was killed: nothing to continue
+    (tmp_path / "20250101_000000").mkdir()                 # a log folder of a run that failed early
+    check_work_dir(tmp_path, resume=None)
+
+
+def test_a_work_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    from sfttool.engine.safety import WorkDirError
+    from sfttool.engine.train import check_work_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(WorkDirError) as err:
+        check_work_dir(afile, resume=None)
+    assert str(err.value) == f"work dir {afile} is a file, not a folder; choose another folder with --work-dir"
+    assert afile.read_text() == "x"
+
+
+class _Adapter(torch.nn.Module):
+    """A frozen base weight and a trainable one; like SupervisedFinetune with LoRA,
+    its state_dict holds only the trainable weights."""
+
+    def __init__(self, rank: int = 2):
+        super().__init__()
+        self.base = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)
+        self.lora_a = torch.nn.Parameter(torch.zeros(rank, 4))
+        self.lora_b = torch.nn.Parameter(torch.zeros(4, rank))
+
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        return type(state)((k, v) for k, v in state.items() if k != "base")
+
+
+def _save_run(folder, state: dict, cfg_text: str = "lora_rank = 2\n"):
+    """An mmengine-style checkpoint and its dumped config (plus DeepSpeed's helper script)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiny_lora.py").write_text(cfg_text)
+    (folder / "zero_to_fp32.py").write_text("# DeepSpeed's\n")
+    torch.save({"meta": {"cfg": cfg_text}, "state_dict": state}, folder / "iter_4.pth")
+    return folder / "iter_4.pth"
+
+
+def test_a_checkpoint_of_another_lora_rank_is_refused_naming_the_config_it_was_trained_with(tmp_path):
+    from sfttool.config import ConfigError
+    from sfttool.engine.checkpoint import check_checkpoint_fits
+
+    ckpt = _save_run(tmp_path / "w", _Adapter(rank=2).state_dict())
+    check_checkpoint_fits(ckpt, _Adapter(rank=2))
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint_fits(ckpt, _Adapter(rank=4))
+    assert str(err.value) == (
+        f"--resume {ckpt} does not fit this model (tensors of another shape: 2, first lora_a [2, 4] in the "
+        "checkpoint, [4, 4] in the model); resume with the config (and --cfg-options) the checkpoint was trained "
+        f"with: {tmp_path}/w/tiny_lora.py")
+
+
+def test_a_full_checkpoint_into_a_lora_model_counts_what_is_missing_and_unexpected(tmp_path):
+    from sfttool.config import ConfigError
+    from sfttool.engine.checkpoint import check_checkpoint_fits
+
+    full = torch.nn.Linear(4, 3)
+    ckpt = _save_run(tmp_path / "w", {"module." + k: v for k, v in full.state_dict().items()}, "lora = None\n")
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint_fits(ckpt, _Adapter())
+    assert str(err.value) == (
+        f"--resume {ckpt} does not fit this model (tensors missing from the checkpoint: 2, first lora_a [2, 4]; "
+        "tensors the model does not have: 2, first weight [3, 4]); resume with the config (and --cfg-options) "
+        f"the checkpoint was trained with: {tmp_path}/w/tiny_lora.py")
+
+
+def test_loading_an_adapter_checkpoint_reports_only_real_mismatches(capsys):
+    """mmengine's loader lists every frozen weight the adapter-only checkpoint leaves out
+    as missing; those are dropped, missing trainable and unexpected keys are kept."""
+    from mmengine.runner.checkpoint import load_state_dict
+
+    from sfttool.engine.checkpoint import ignore_frozen_weights_on_load
+
+    model = _Adapter()
+    ignore_frozen_weights_on_load(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    load_state_dict(model, state)
+    assert capsys.readouterr().out == ""
+    load_state_dict(model, {"lora_a": state["lora_a"], "stray": torch.ones(1)})
+    out = capsys.readouterr().out
+    assert "unexpected key in source state_dict: stray" in out
+    assert "missing keys in source state_dict: lora_b\n" in out
+    assert "base" not in out
+    with pytest.raises(RuntimeError, match="Missing key.*lora_b"):  # torch's strict loading: the same keys
+        model.load_state_dict({"lora_a": state["lora_a"]})
+    model.load_state_dict(state)                                      # the adapter alone loads strictly
+
+
+def test_a_file_that_is_no_checkpoint_is_a_clear_error(tmp_path):
+    from sfttool.config import ConfigError
+    from sfttool.engine.checkpoint import check_checkpoint_fits
+
+    torch.save(torch.ones(2), tmp_path / "iter_4.pth")
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint_fits(tmp_path / "iter_4.pth", _Adapter())
+    assert str(err.value) == (f"--resume {tmp_path}/iter_4.pth holds no state dict (not a checkpoint of sfttool "
+                              "train); pass an iter_<N>.pth of the run to continue")
