@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
-from sfttool.tools.merge import SAVED_CONFIG_NAME, has_tokenizer
+from sfttool.tools.merge import SAVED_CONFIG_NAME, has_tokenizer, load_errors, training_output_problem
 
 
 class ChatError(Exception):
@@ -67,16 +67,23 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
                     bits: int | None = None, trust_remote_code: bool = False):
     """The model in eval mode (on GPU 0 when there is one) and its tokenizer
     (the adapter's when the adapter folder carries one)."""
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ChatError(f"{adapter}: not a peft adapter folder (no adapter_config.json)")
+    problem = training_output_problem(model_path)
+    if problem:
+        raise ChatError(problem)
+    from sfttool import compat
+
+    compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
-        raise ChatError(f"{adapter}: not a peft adapter folder (no adapter_config.json)")
     device_map = {"": 0} if torch.cuda.is_available() else None
     # trust_remote_code: a repository's own Python code runs only when the user asked (--trust-remote-code).
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", device_map=device_map,
-                                                 quantization_config=quantization_config(bits),
-                                                 trust_remote_code=trust_remote_code)
+    with load_errors(model_path, ChatError):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", device_map=device_map,
+                                                     quantization_config=quantization_config(bits),
+                                                     trust_remote_code=trust_remote_code)
     if adapter is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, str(adapter))

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 
-from sfttool.tools.merge import SAVED_CONFIG_NAME, save_model
+from sfttool.tools.merge import SAVED_CONFIG_NAME, dumped_config, output_folder, save_model
 
 
 class ConvertError(Exception):
@@ -30,8 +31,6 @@ class ConvertError(Exception):
 def load_pth_state_dict(path: Path) -> dict:
     """Weights of an mmengine ``.pth`` (``weights_only`` loading: mmengine's
     few non-tensor types are allow-listed, nothing else is unpickled)."""
-    import pickle
-
     import torch
 
     from sfttool import compat
@@ -39,13 +38,29 @@ def load_pth_state_dict(path: Path) -> dict:
     compat.allow_mmengine_checkpoint_globals()
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise ConvertError(f"{path}: holds objects outside the safe-loading allow-list ({exc}); "
-                           "it was not written by `sfttool train`, or by a newer version") from None
+    except Exception as exc:  # torch.load fails on other files in many ways (KeyError on text, EOFError, ...)
+        raise _unreadable(path, exc) from None
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not state:
         raise ConvertError(f"{path}: no weights found (expected a dict with a 'state_dict' entry)")
     return state
+
+
+def _unreadable(path: Path, exc: Exception) -> ConvertError:
+    """One line for torch.load's failure (its own messages run to several paragraphs)."""
+    if isinstance(exc, OSError):
+        return ConvertError(f"{path}: cannot be read: {exc.strerror or exc}")
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if refused:
+        return ConvertError(f"{path}: holds objects outside the safe-loading allow-list ({refused.group(1)}); "
+                            "it was not written by `sfttool train`, or by a newer version")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    why = ("the file is empty" if not head else
+           "a zip file torch cannot read: truncated or corrupt" if head == b"PK\x03\x04" else
+           "torch.load cannot read it")
+    return ConvertError(f"{path}: not an sfttool/mmengine checkpoint ({why}); give an iter_<n>.pth file "
+                        "or DeepSpeed checkpoint folder from a training work dir")
 
 
 def _deepspeed_tag(folder: Path) -> str | None:
@@ -111,7 +126,20 @@ def load_weights(model, state: dict, ckpt: str | os.PathLike) -> None:
                 if len(missing) == len(wanted) else "")
         raise ConvertError(f"{ckpt}: the checkpoint lacks {len(missing)} of the model's {len(wanted)} weights, "
                            f"e.g. {missing[:3]}; does it come from this config?{hint}")
+    resized = [k for k in wanted if _shape(state[k]) != _shape(wanted[k])]
+    if resized:
+        key, dumped = resized[0], dumped_config(Path(ckpt).parent)
+        where = f" ({dumped})" if dumped != "CONFIG" else ""
+        raise ConvertError(
+            f"{ckpt}: {len(resized)} of the model's {len(wanted)} weights have another shape in the checkpoint, "
+            f"e.g. {key}: {_shape(state[key])} in the checkpoint, {_shape(wanted[key])} in the model this "
+            f"config builds; convert with the config the run dumped in its work dir{where}, or with this config "
+            "and the --cfg-options used for training")
     model.load_state_dict({k: state[k] for k in wanted}, strict=False)
+
+
+def _shape(value) -> list | str:
+    return list(value.shape) if hasattr(value, "shape") else type(value).__name__
 
 
 def is_peft(llm) -> bool:
@@ -143,7 +171,7 @@ def pth_to_hf(cfg, ckpt: str | os.PathLike, save_dir: str | os.PathLike, safe_se
     load_weights(model, state, ckpt)
     tokenizer_cfg = cfg.get("tokenizer") or cfg.model.get("tokenizer")
     tokenizer = build_if_config(tokenizer_cfg, "tokenizer") if tokenizer_cfg is not None else None
-    save_dir.mkdir(parents=True, exist_ok=True)
-    save_hf(model, tokenizer, save_dir, safe_serialization, max_shard_size)
-    cfg.dump(str(save_dir / SAVED_CONFIG_NAME))
+    with output_folder(save_dir, ConvertError) as tmp:
+        save_hf(model, tokenizer, tmp, safe_serialization, max_shard_size)
+        cfg.dump(str(tmp / SAVED_CONFIG_NAME))
     return save_dir

@@ -5,13 +5,20 @@
 
 The base is loaded unquantised (also for QLoRA adapters: merging into 4-bit
 weights would round the update away), so the merged model is what the adapter
-computes on top of full-precision weights.
+computes on top of full-precision weights. SAVE_DIR is written beside itself
+and moved into place when complete (``output_folder``, also used by
+``pth_to_hf``), and a training output given where a model belongs (a
+checkpoint, a work dir, the adapter as BASE) is refused in one line that
+names the fix (``training_output_problem``, also used by ``chat``).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 SAVED_CONFIG_NAME = "sfttool_config.py"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -37,20 +44,130 @@ def has_tokenizer(folder: str | os.PathLike) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
+# ---------------------------------------------------------------------------
+# Training outputs given where an HF model folder belongs (shared with chat).
+
+def adapter_base_name(adapter: str | os.PathLike) -> str | None:
+    """The base model an adapter folder names in its adapter_config.json."""
+    try:
+        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """An mmengine .pth file or a DeepSpeed checkpoint folder (``latest`` or ``*model_states.pt``)."""
+    if path.is_file():
+        return path.suffix in (".pth", ".pt")
+    return path.is_dir() and ((path / "latest").is_file() or any(path.glob("*model_states.pt"))
+                              or any(path.glob("*/*model_states.pt")))
+
+
+def _is_work_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "last_checkpoint").is_file() or any(path.glob("iter_*.pth"))
+                              or (path / "hf_adapter").is_dir() or (path / "hf_model").is_dir())
+
+
+def _work_dir_fix(work_dir: Path, role: str) -> str:
+    adapter, model = work_dir / "hf_adapter", work_dir / "hf_model"
+    if (adapter / "adapter_config.json").is_file():
+        if role == "BASE":
+            return (f"give the base model it was trained from as BASE ({adapter / 'adapter_config.json'} names "
+                    f"it: {adapter_base_name(adapter)}) and {adapter} as ADAPTER")
+        return f"pass {adapter}"
+    if (model / "config.json").is_file():
+        return f"pass {model}"
+    ckpts = sorted(work_dir.glob("iter_*.pth"), key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1)
+    ckpt = ckpts[-1] if ckpts else work_dir / "iter_N.pth"
+    return f"convert a checkpoint first: sfttool convert pth_to_hf {dumped_config(work_dir)} {ckpt} OUT"
+
+
+def dumped_config(work_dir: Path) -> str:
+    """The config `sfttool train` dumped in ``work_dir`` (it includes the run's
+    --cfg-options), or the placeholder CONFIG when there is not exactly one."""
+    if not _is_work_dir(work_dir):
+        return "CONFIG"
+    # DeepSpeed copies its zero_to_fp32.py / zero_to_torch.py scripts into the work dir too.
+    configs = [p for p in sorted(work_dir.glob("*.py")) if not p.name.startswith("zero_to_")]
+    return str(configs[0]) if len(configs) == 1 else "CONFIG"
+
+
+def _could_be_hub_name(name: str) -> bool:
+    """'Qwen/Qwen2.5-0.5B' or 'gpt2' could be on the model hub; '/models/x' or './x' cannot."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def training_output_problem(path: str | os.PathLike, role: str = "MODEL") -> str | None:
+    """Why ``path`` is not an HF model folder, with the fix, when it is a
+    checkpoint, a work dir, another file or folder, or a missing local path;
+    None for a model or adapter folder, or a name the model hub may hold."""
+    local = Path(path)
+    if local.is_dir() and ((local / "config.json").is_file() or (local / "adapter_config.json").is_file()):
+        return None
+    if _is_checkpoint(local):
+        return (f"{path}: a training checkpoint, not an HF model folder; convert it first: "
+                f"sfttool convert pth_to_hf {dumped_config(local.parent)} {path} OUT")
+    if local.is_file():
+        return f"{path}: a file, not an HF model folder (a folder with config.json)"
+    if not local.exists():
+        return None if _could_be_hub_name(str(path)) else f"{path}: no such folder"
+    if _is_work_dir(local):
+        return f"{path}: a training work dir, not an HF model folder; {_work_dir_fix(local, role)}"
+    return f"{path}: not an HF model folder (no config.json)"
+
+
+@contextlib.contextmanager
+def load_errors(path: str | os.PathLike, error: type[Exception]) -> Iterator[None]:
+    """transformers' OSError for a model it cannot find runs to several lines
+    and, for a local path that does not exist, talks about huggingface.co:
+    turn it into one line of ``error`` naming the path and the fix."""
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not os.path.exists(path):
+            raise error(f"{path}: no such folder, and the model hub did not provide it ({first}); "
+                        "without access to the model hub, give a local folder") from None
+        raise error(f"{path}: cannot be loaded: {first}") from None
+
+
+def _check_base(base: str | os.PathLike) -> None:
+    if (Path(base) / "adapter_config.json").is_file():
+        raise MergeError(f"{base}: BASE is a LoRA adapter folder; give the base model it was trained from "
+                         f"(adapter_config.json names it: {adapter_base_name(base)})")
+    problem = training_output_problem(base, role="BASE")
+    if problem:
+        raise MergeError(problem)
+
+
 def _check_adapter(adapter: Path) -> None:
     if not (adapter / "adapter_config.json").is_file():
-        raise MergeError(
-            f"{adapter}: not a peft adapter folder (no adapter_config.json); convert a training checkpoint "
-            "first with `sfttool convert pth_to_hf CONFIG CHECKPOINT SAVE_DIR`")
+        fix = (f"pass {adapter / 'hf_adapter'}" if (adapter / "hf_adapter" / "adapter_config.json").is_file() else
+               "convert a training checkpoint first with `sfttool convert pth_to_hf CONFIG CHECKPOINT SAVE_DIR`")
+        raise MergeError(f"{adapter}: not a peft adapter folder (no adapter_config.json); {fix}")
 
+
+# ---------------------------------------------------------------------------
+# Merging and saving.
 
 def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str = "cpu", dtype="auto"):
     """Base model with ``adapter`` folded into its weights (a plain transformers model)."""
+    from sfttool import compat
+
+    _check_adapter(Path(adapter))
+    _check_base(base)
+    compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    _check_adapter(Path(adapter))
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, device_map=device_map_for(device))
+    with load_errors(base, MergeError):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, device_map=device_map_for(device))
     model = PeftModel.from_pretrained(model, str(adapter))
     return model.merge_and_unload()
 
@@ -83,9 +200,37 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
 
     adapter, save_dir = Path(adapter), Path(save_dir)
     merged = load_merged(base, adapter, device=device)
-    save_model(merged, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
     tokenizer = AutoTokenizer.from_pretrained(adapter if has_tokenizer(adapter) else base)
-    tokenizer.save_pretrained(save_dir)
-    if (adapter / SAVED_CONFIG_NAME).is_file():
-        shutil.copy(adapter / SAVED_CONFIG_NAME, save_dir / SAVED_CONFIG_NAME)
+    with output_folder(save_dir, MergeError) as tmp:
+        save_model(merged, tmp, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        if (adapter / SAVED_CONFIG_NAME).is_file():
+            shutil.copy(adapter / SAVED_CONFIG_NAME, tmp / SAVED_CONFIG_NAME)
     return save_dir
+
+
+@contextlib.contextmanager
+def output_folder(save_dir: Path, error: type[Exception] = MergeError) -> Iterator[Path]:
+    """A hidden folder to write into, next to ``save_dir`` (inside it when it
+    already exists); when the block succeeds its files move into ``save_dir``
+    (other files already there are kept), and on any failure it is removed,
+    so a failed save never leaves a half-written model behind. An OS error
+    (disk full, no permission) becomes one line of ``error``."""
+    from sfttool.utils.atomic import TMP_MARK, _os_error_text, before_rename, partial_output_name
+
+    existing = save_dir.is_dir()
+    tmp = save_dir / f".partial{TMP_MARK}{os.getpid()}" if existing else partial_output_name(save_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        before_rename(tmp, save_dir)
+        if existing:
+            for item in tmp.iterdir():
+                os.replace(item, save_dir / item.name)
+        else:
+            os.replace(tmp, save_dir)
+    except OSError as exc:
+        raise error(f"could not save {save_dir}: {_os_error_text(exc)}; the partial output was removed") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,8 @@ hidden, history kept as training rows hold it, non-interactive use."""
 from __future__ import annotations
 
 import io
+import re
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -189,3 +191,36 @@ def test_bits_loads_the_model_quantised_and_it_answers(tiny_llama_dir, bits, lay
     assert any(type(m).__name__ == layer for m in model.modules())
     answer = ChatSession(model, tokenizer, get_template("qwen_chat"), settings=GREEDY).ask("hello world")
     assert isinstance(answer, str) and "<|im_end|>" not in answer
+
+
+@pytest.mark.slow
+def test_training_outputs_given_as_model_are_one_line(lora_run, tmp_path):
+    def error(model):
+        result = run_chat(model, "--prompt", "hi")
+        assert result.exit_code == 1
+        return result.output.splitlines()[-1]
+
+    ckpt, config = lora_run / "iter_4.pth", lora_run / "tiny_lora.py"
+    assert error(ckpt) == (f"Error: {ckpt}: a training checkpoint, not an HF model folder; convert it first: "
+                           f"sfttool convert pth_to_hf {config} {ckpt} OUT")
+    assert error(lora_run) == (f"Error: {lora_run}: a training work dir, not an HF model folder; "
+                               f"pass {lora_run / 'hf_adapter'}")
+    unexported = tmp_path / "run"
+    unexported.mkdir()
+    shutil.copy(ckpt, unexported)
+    shutil.copy(config, unexported)
+    assert error(unexported) == (
+        f"Error: {unexported}: a training work dir, not an HF model folder; convert a checkpoint first: "
+        f"sfttool convert pth_to_hf {unexported / 'tiny_lora.py'} {unexported / 'iter_4.pth'} OUT")
+    assert error(tmp_path / "nowhere") == f"Error: {tmp_path / 'nowhere'}: no such folder"
+    assert error(tmp_path) == f"Error: {tmp_path}: not an HF model folder (no config.json)"
+    # The tests run with HF_HUB_OFFLINE=1: the hub cannot provide it.
+    assert re.fullmatch(r"Error: nonexistent-model: no such folder, and the model hub did not provide it \(.+\); "
+                        r"without access to the model hub, give a local folder", error("nonexistent-model"))
+
+
+@pytest.mark.slow
+def test_the_runs_adapter_folder_works_as_model(lora_run):
+    result = run_chat(lora_run / "hf_adapter", "--temperature", "0", "--max-new-tokens", "4", "--prompt", "hi")
+    assert result.exit_code == 0, result.output
+    assert f"Prompt template: {lora_run / 'hf_adapter' / 'sfttool_config.py'}" in result.stderr

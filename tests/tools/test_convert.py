@@ -100,3 +100,48 @@ def test_cli_errors_are_one_line(lora_cfg_path, tmp_path):
     result = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(lora_cfg_path), str(tmp_path / "missing.pth"),
                                       str(tmp_path / "o")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_a_checkpoint_of_other_shapes_is_one_line_naming_the_dumped_config(lora_run, lora_cfg_path, tmp_path):
+    ckpt, out = lora_run / "iter_4.pth", tmp_path / "o"
+    result = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(lora_cfg_path), str(ckpt), str(out),
+                                      "--cfg-options", "model.lora.r=4"])
+    assert result.exit_code == 1
+    key = "llm.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert result.output.splitlines()[-1] == (
+        f"Error: {ckpt}: 28 of the model's 28 weights have another shape in the checkpoint, e.g. {key}: "
+        "[8, 64] in the checkpoint, [4, 64] in the model this config builds; convert with the config the run "
+        f"dumped in its work dir ({lora_run / 'tiny_lora.py'}), or with this config and the --cfg-options used "
+        "for training")
+    assert not out.exists()
+    # The config the error names converts the checkpoint.
+    convert(lora_run / "tiny_lora.py", ckpt, out)
+    assert_same_tensors(load_file(out / "adapter_model.safetensors"),
+                        load_file(lora_run / "hf_adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"hello\n", "torch.load cannot read it"),
+    (b"", "the file is empty"),
+    ("half", "a zip file torch cannot read: truncated or corrupt"),
+])
+def test_a_file_that_is_not_a_checkpoint_is_one_line(lora_run, lora_cfg_path, tmp_path, content, why):
+    bad = tmp_path / "notes.pth"
+    whole = (lora_run / "iter_4.pth").read_bytes()
+    bad.write_bytes(whole[:len(whole) // 2] if content == "half" else content)
+    result = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(lora_cfg_path), str(bad), str(tmp_path / "o")])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == (
+        f"Error: {bad}: not an sfttool/mmengine checkpoint ({why}); give an iter_<n>.pth file or DeepSpeed "
+        "checkpoint folder from a training work dir")
+
+
+def test_a_checkpoint_with_objects_outside_the_allow_list_is_one_line(tmp_path):
+    import argparse
+
+    bad = tmp_path / "other.pth"
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "args": argparse.Namespace(lr=1)}, bad)
+    with pytest.raises(ConvertError) as info:
+        load_checkpoint_state_dict(bad)
+    assert str(info.value) == (f"{bad}: holds objects outside the safe-loading allow-list (argparse.Namespace); "
+                               "it was not written by `sfttool train`, or by a newer version")

@@ -2,6 +2,10 @@
 computes what base + adapter computes."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -83,3 +87,71 @@ def test_a_folder_without_adapter_is_a_one_line_error(tiny_llama_dir, tmp_path):
                                       str(tmp_path / "out")])
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: {tiny_llama_dir}: not a peft adapter folder")
+
+
+def test_an_adapter_folder_as_base_is_refused_and_nothing_is_written(adapter_dir, tmp_path):
+    import json
+
+    named = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    result = CliRunner().invoke(cli, ["convert", "merge", str(adapter_dir), str(adapter_dir), str(tmp_path / "m")])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == (
+        f"Error: {adapter_dir}: BASE is a LoRA adapter folder; give the base model it was trained from "
+        f"(adapter_config.json names it: {named})")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_leaves_no_partial_output(adapter_dir, tiny_llama_dir, tmp_path, monkeypatch):
+    from sfttool.tools import merge
+
+    def save_then_fail(model, save_dir, **kwargs):
+        (save_dir / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(merge, "save_model", save_then_fail)
+    with pytest.raises(MergeError) as info:
+        merge_adapter(tiny_llama_dir, adapter_dir, tmp_path / "new")
+    assert str(info.value) == (f"could not save {tmp_path / 'new'}: [Errno 28] No space left on device; "
+                               "the partial output was removed")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "notes.txt").write_text("mine")
+    with pytest.raises(MergeError, match="No space left"):
+        merge_adapter(tiny_llama_dir, adapter_dir, tmp_path / "old")
+    assert [p.name for p in tmp_path.rglob("*")] == ["old", "notes.txt"]
+
+
+def test_training_outputs_given_as_base_or_adapter_are_one_line(lora_run, tiny_llama_dir, tmp_path):
+    def error(base, adapter):
+        result = CliRunner().invoke(cli, ["convert", "merge", str(base), str(adapter), str(tmp_path / "m")])
+        assert result.exit_code == 1 and not (tmp_path / "m").exists()
+        return result.output.splitlines()[-1]
+
+    adapter = lora_run / "hf_adapter"
+    ckpt = lora_run / "iter_4.pth"
+    assert error(lora_run, adapter) == (
+        f"Error: {lora_run}: a training work dir, not an HF model folder; give the base model it was trained "
+        f"from as BASE ({adapter / 'adapter_config.json'} names it: {tiny_llama_dir}) and {adapter} as ADAPTER")
+    assert error(ckpt, adapter) == (
+        f"Error: {ckpt}: a training checkpoint, not an HF model folder; convert it first: "
+        f"sfttool convert pth_to_hf {lora_run / 'tiny_lora.py'} {ckpt} OUT")
+    assert error(tmp_path / "nowhere", adapter) == f"Error: {tmp_path / 'nowhere'}: no such folder"
+    assert error(tiny_llama_dir, lora_run) == (
+        f"Error: {lora_run}: not a peft adapter folder (no adapter_config.json); pass {adapter}")
+
+
+def test_a_missing_base_that_could_be_a_hub_name_is_one_line(adapter_dir, tmp_path):
+    # The tests run with HF_HUB_OFFLINE=1: the hub cannot provide it.
+    result = CliRunner().invoke(cli, ["convert", "merge", "nonexistent-model", str(adapter_dir), str(tmp_path / "m")])
+    assert result.exit_code == 1
+    assert re.fullmatch(r"Error: nonexistent-model: no such folder, and the model hub did not provide it \(.+\); "
+                        r"without access to the model hub, give a local folder", result.output.splitlines()[-1])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_merge_prints_no_bitsandbytes_kernel_warning(adapter_dir, tiny_llama_dir, tmp_path):
+    # A fresh process: bitsandbytes warns when peft first imports it (on CPUs with AVX512-BF16).
+    proc = subprocess.run([sys.executable, "-m", "sfttool.cli.main", "convert", "merge", str(tiny_llama_dir),
+                           str(adapter_dir), str(tmp_path / "m")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "gemm_4bit_forward" not in proc.stderr and "pip install kernels" not in proc.stderr
