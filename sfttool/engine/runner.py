@@ -28,6 +28,7 @@ from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.runner import IterBasedTrainLoop
 
+from sfttool.dataset.errors import DatasetError
 from sfttool.engine.checkpoint import restore_rng_state
 from sfttool.registry import BUILDER
 
@@ -55,18 +56,26 @@ class _ResumableBatches:
 
     The sampler is seeded by ``seed + epoch`` (mmengine's ``DefaultSampler``),
     so jumping to epoch ``e`` and skipping ``offset`` batches reproduces the
-    uninterrupted order exactly.
+    uninterrupted order exactly when every pass gives ``len(dataloader)`` batches.
+    A stream (sfttool.dataset.streaming) may give another number, its length being
+    an estimate: a pass that gives another number is reported once, a pass that
+    ends while skipping is followed into the next one, and a pass without any
+    batch is an error (an endless loop of empty passes otherwise).
     """
 
     def __init__(self, dataloader, start_iter: int = 0) -> None:
         self.dataloader = dataloader
         self.epoch, offset = divmod(start_iter, len(dataloader))
+        self._batches = 0  # given by the current pass, counted from its start
+        self._reported = False
         # Creating a DataLoader iterator draws a worker seed from torch's global
         # RNG. An uninterrupted run drew it when the epoch began: do the same
         # (now when resuming mid-epoch, lazily at the first batch otherwise).
         self._iterator = self._epoch_iterator() if offset else None
-        for _ in range(offset):  # within one epoch only
-            next(self._iterator)
+        self._resuming_at = start_iter
+        for _ in range(offset):
+            next(self)
+        self._resuming_at = None
 
     def _epoch_iterator(self) -> Iterator:
         sampler = getattr(self.dataloader, "sampler", None)
@@ -80,12 +89,40 @@ class _ResumableBatches:
     def __next__(self):
         if self._iterator is None:
             self._iterator = self._epoch_iterator()
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            self.epoch += 1
-            self._iterator = self._epoch_iterator()
-            return next(self._iterator)
+        while True:
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._next_epoch()
+                continue
+            self._batches += 1
+            return batch
+
+    def _next_epoch(self) -> None:
+        if self._batches == 0:
+            raise DatasetError(f"epoch {self.epoch} of the training data gave no batch: its dataset is empty or "
+                               "can be read only once (a generator); give a dataset that supports several passes")
+        if self._batches != len(self.dataloader) and not self._reported:
+            self._reported = True
+            print_log(self._length_mismatch(), logger="current", level=logging.WARNING)
+        self.epoch += 1
+        self._batches = 0
+        self._iterator = self._epoch_iterator()
+
+    def _length_mismatch(self) -> str:
+        batches, expected = self._batches, len(self.dataloader)
+        message = (f"epoch {self.epoch} of the training data gave {batches} batches, but "
+                   f"len(train_dataloader) is {expected}")
+        rows = getattr(getattr(self.dataloader, "dataset", None), "rows_per_epoch", None)
+        if rows is not None:
+            batch_size = getattr(self.dataloader, "batch_size", None) or 1
+            message += (f" (rows_per_epoch={rows}; rows_per_epoch={batches * batch_size} would give "
+                        f"{batches} batches of {batch_size})")
+        if self._resuming_at is not None:
+            message += f"; resuming at iteration {self._resuming_at}, the skip went on into epoch {self.epoch + 1}"
+        else:
+            message += ": epochs are counted with the length"
+        return message + ": a resume lands on the exact batch only when they agree"
 
 
 def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: int) -> tuple[int, int]:
