@@ -14,6 +14,8 @@ import contextlib
 import copy
 import datetime
 import functools
+import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -65,12 +67,18 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
 
     set_random_seed(seed)
-    dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
-    model = build(cfg.model, "model")
-    ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
-    if resume_from and not deepspeed:  # DeepSpeed's folders load only with its own pickled objects: not checked
-        check_checkpoint_fits(resume_from, model)  # another model's checkpoint: one line, before any building
-    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from)
+    name = experiment_name(cfg)
+    with setup_log(name) as records:  # dataset statistics and model loading, before the runner's log file exists
+        dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
+        model = build(cfg.model, "model")
+        ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
+        if resume_from and not deepspeed:  # DeepSpeed's folders load only with its own pickled objects: not checked
+            check_checkpoint_fits(resume_from, model)  # another model's checkpoint: one line, before any building
+    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from, name)
+    for handler in runner.logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            for record in records:
+                handler.handle(record)
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
         runner.train()
     save_hf(runner, cfg, work_dir)
@@ -315,8 +323,42 @@ def resolve_resume(resume: str | None, work_dir: Path, deepspeed: str | None = N
     return str(path)
 
 
+_runs_in_this_process = itertools.count(1)
+
+
+@contextlib.contextmanager
+def setup_log(name: str) -> Iterator[list]:
+    """A fresh current logger for what happens before the runner exists (the dataset's counts, model
+    loading): printed as usual, and kept so the run's log file gets it too. Without it, a second run in
+    the same process logged its set-up into the first run's file."""
+    from mmengine.logging import MMLogger
+
+    records: list = []
+    logger = MMLogger.get_instance(f"{name}_setup")
+    keeper = logging.Handler()
+    keeper.emit = records.append
+    logger.addHandler(keeper)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(keeper)
+
+
+def experiment_name(cfg: Any) -> str:
+    """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a process.
+
+    mmengine names a run's message hub and logger ``<name>_<timestamp to the second>`` and hands back an
+    existing instance of that name, so a second run started in the same process within the same second
+    (tests, notebooks) inherited the first run's checkpoint bookkeeping -- and deleted its own new
+    checkpoints as "older than the last K" -- and logged into the first run's file. Every rank runs
+    ``train`` the same number of times, so the numbers agree across ranks."""
+    name = cfg.get("experiment_name") or (Path(cfg.filename).stem if cfg.filename else "run")
+    n = next(_runs_in_this_process)
+    return name if n == 1 else f"{name}_run{n}"
+
+
 def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,
-                 deepspeed: str | None, resume_from: str | None):
+                 deepspeed: str | None, resume_from: str | None, name: str | None = None):
     """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None."""
     from sfttool.engine.schedulers import resolve_param_schedulers
 
@@ -334,7 +376,8 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=launcher, env_cfg=env_cfg,
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
         visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),
-        resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg)
+        resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg,
+        experiment_name=name or experiment_name(cfg))
     if deepspeed:
         return _deepspeed_runner(cfg, model, deepspeed, common)
     from mmengine.runner import Runner

@@ -49,6 +49,27 @@ def test_in_process_runs_keep_a_one_process_deepspeed_group_usable(tmp_path, tin
     assert dist.is_initialized()
 
 
+@pytest.mark.slow
+def test_back_to_back_runs_in_one_process_keep_their_own_checkpoints_and_logs(tmp_path, tiny_cfg):
+    """mmengine reuses a message hub and logger of the same name: two runs started within one second used to
+    share them, so the second deleted its own checkpoints and logged into the first run's file."""
+    for name in ("a", "b"):
+        result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    for name in ("a", "b"):
+        assert (tmp_path / name / "iter_4.pth").is_file() and (tmp_path / name / "iter_8.pth").is_file()
+        logs = list((tmp_path / name).rglob("*.log"))
+        assert len(logs) == 1 and logs[0].read_text().count("Dataset: packed 64 samples") == 1  # its own, only
+
+
+def test_each_run_of_a_process_gets_its_own_experiment_name(tiny_cfg):
+    from sfttool.config import load_config
+    from sfttool.engine.train import experiment_name
+    cfg = load_config(tiny_cfg)
+    first, second = experiment_name(cfg), experiment_name(cfg)
+    assert first != second and second.startswith("tiny_run")
+
+
 def _snapshot(folder: Path) -> dict:
     """Bytes and times of a run's outputs: checkpoints, pointer, dumped config, HF export. (Not its text log:
     later runs in this same process log dataset building to the logger mmengine still holds current.)"""
@@ -102,8 +123,9 @@ def test_rerunning_into_a_work_dir_with_checkpoints_is_refused_and_resume_checks
                                        str(ckpt)])
     assert resumed.exit_code == 0, resumed.output
     out, err = capfd.readouterr()
-    assert "Resuming at iteration 4" in resumed.output + out + err
-    assert "do not match" not in resumed.output + out + err  # no list of the frozen base weights
+    run_log = "".join(p.read_text() for p in (tmp_path / "cont").rglob("*.log"))  # the resumed run's own log
+    assert "Resuming at iteration 4" in run_log
+    assert "do not match" not in resumed.output + out + err + run_log  # no list of the frozen base weights
 
 
 def test_a_multi_process_run_refuses_an_earlier_runs_work_dir_before_launching(tmp_path, tiny_cfg):
