@@ -27,7 +27,7 @@ def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list
 @click.option("--deepspeed", default=None, help="DeepSpeed preset name (zero1, zero2, zero2_offload, zero3, zero3_offload) or a JSON path.")
 @click.option("--resume", is_flag=False, flag_value="auto", default=None,
               help="Resume from the latest checkpoint in the work dir, or from the given checkpoint path.")
-@click.option("--seed", type=int, default=None, help="Overrides the config's seed.")
+@click.option("--seed", type=int, default=None, help="Overrides every seed of the config: model initialisation, dropout, data shuffling and order.")
 @cfg_options_option
 @click.option("--nproc-per-node", type=int, default=None,
               help="Processes per machine (torchrun); default: $NPROC_PER_NODE or 1. "

@@ -151,14 +151,17 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
     count = 0
     for location, row in iter_json_rows(path, field):
         count += 1
+        # A JSONL row is named by its line (what an editor shows) and by its index among the rows (what
+        # later stages and check-custom-dataset name), so the two kinds of message can be matched.
+        here = f"{location} (row {count - 1})" if location.startswith("line") else location
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}, {location}: expected a JSON object, got {type(row).__name__}")
+            raise DatasetError(f"{path}, {here}: expected a JSON object, got {type(row).__name__}")
         if standard or (standard is None and "conversation" in row):
-            check_conversation(row.get("conversation"), source=f"{path}, {location}")
+            check_conversation(row.get("conversation"), source=f"{path}, {here}")
         for name, kind in _field_kinds(row):
             first = kinds.setdefault(name, (kind, location))
             if kind != "null" and first[0] != "null" and kind != first[0]:
-                raise DatasetError(f"{path}, {location}, field {name!r}: a {kind} here but a {first[0]} "
+                raise DatasetError(f"{path}, {here}, field {name!r}: a {kind} here but a {first[0]} "
                                    f"at {first[1]}; every row must use the same type per field")
             if first[0] == "null" and kind != "null":
                 kinds[name] = (kind, location)

@@ -41,6 +41,8 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     remote_code_policy(cfg, trust_remote_code)
     work_dir = resolve_work_dir(cfg, work_dir)
     check_work_dir(work_dir, resume)  # fail now, not at the first checkpoint hours later
+    if seed is not None:
+        apply_seed(cfg, seed)
     seed = _seed(cfg, seed)
     resume_from = resolve_resume(resume, work_dir, deepspeed)  # a bad --resume fails before any building
     if deepspeed:
@@ -101,6 +103,24 @@ def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
     allowed = apply_trust_remote_code(cfg, trust_remote_code)
     if allowed:
         warnings.warn(remote_code_warning(allowed), stacklevel=2)
+
+
+def apply_seed(cfg: Any, seed: int) -> None:
+    """``--seed``: every seed the config copied from its ``seed`` setting, not only ``randomness.seed``
+    (model initialisation, dropout) but the data's too (the dataset's shuffle before packing, subset and
+    mixing; the sampler's order), as a changed ``seed = ...`` in PART 1 would."""
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "type" in node and "seed" in node:
+                node["seed"] = seed
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    cfg.randomness = dict(cfg.get("randomness") or {}, seed=seed)
+    walk(cfg.train_dataloader)
 
 
 def _seed(cfg: Any, seed: int | None) -> int:

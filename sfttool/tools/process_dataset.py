@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from sfttool.dataset.errors import DatasetError
 from sfttool.registry import BUILDER, build, resolve_type
 
 MANIFEST = "manifest.json"
@@ -31,8 +32,9 @@ MANIFEST_VERSION = 1
 TOKEN_COLUMNS = ("input_ids", "labels", "position_ids", "sample_lengths")
 
 
-class ProcessedDatasetError(Exception):
-    """A processed dataset cannot be written or read; the message says how to fix it."""
+class ProcessedDatasetError(DatasetError):
+    """A processed dataset cannot be written or read; the message says how to fix it. A DatasetError, so
+    every command (``train`` loading the folder too) prints it as one line."""
 
 
 def dataset_config(cfg) -> dict:

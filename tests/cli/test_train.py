@@ -62,6 +62,18 @@ def test_back_to_back_runs_in_one_process_keep_their_own_checkpoints_and_logs(tm
         assert len(logs) == 1 and logs[0].read_text().count("Dataset: packed 64 samples") == 1  # its own, only
 
 
+def test_seed_flag_reaches_every_seed_the_config_copied():
+    """--seed changes the data order too (the dataset's shuffle before packing and the sampler), not only
+    randomness.seed: the same keys --cfg-options seed=... would be redirected to."""
+    from sfttool.config import load_config
+    from sfttool.engine.train import apply_seed
+    cfg = load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3")
+    assert (cfg.randomness.seed, cfg.train_dataloader.dataset.seed, cfg.train_dataloader.sampler.seed) == (42, 42, 42)
+    apply_seed(cfg, 7)
+    assert (cfg.randomness.seed, cfg.train_dataloader.dataset.seed, cfg.train_dataloader.sampler.seed) == (7, 7, 7)
+    assert cfg.randomness.deterministic is False  # the rest of randomness is kept
+
+
 def test_each_run_of_a_process_gets_its_own_experiment_name(tiny_cfg):
     from sfttool.config import load_config
     from sfttool.engine.train import experiment_name

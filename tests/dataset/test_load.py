@@ -26,15 +26,15 @@ def test_good_jsonl_loads(tmp_path):
 
 @pytest.mark.parametrize("lines, message", [
     ([json.dumps(GOOD), '{"conversation": [', json.dumps(GOOD)], r"d.jsonl, line 2: invalid JSON"),
-    ([json.dumps(GOOD), "[1, 2]"], r"d.jsonl, line 2: expected a JSON object, got list"),
+    ([json.dumps(GOOD), "[1, 2]"], r"d.jsonl, line 2 \(row 1\): expected a JSON object, got list"),
     ([json.dumps({"a": "x"}), json.dumps({"a": 3})],
-     r"d.jsonl, line 2, field 'a': a number here but a string at line 1"),
-    ([json.dumps(GOOD), json.dumps({"conversation": [{"input": "q", "output": 5}]})],
-     r"d.jsonl, line 2, field 'conversation\[0\].output': expected a string, got an int"),
+     r"d.jsonl, line 2 \(row 1\), field 'a': a number here but a string at line 1"),
+    ([json.dumps(GOOD), "", json.dumps({"conversation": [{"input": "q", "output": 5}]})],
+     r"d.jsonl, line 3 \(row 1\), field 'conversation\[0\].output': expected a string, got an int"),
     ([json.dumps({"conversation": [{"input": "q"}]})],
-     r"d.jsonl, line 1, field 'conversation\[0\].output': expected a string, got missing"),
+     r"d.jsonl, line 1 \(row 0\), field 'conversation\[0\].output': expected a string, got missing"),
     ([json.dumps({"conversation": [{"from": "human", "value": "q"}]})],
-     r"line 1, field 'conversation\[0\]': no `input`/`output` \(keys: from, value\)"),
+     r"line 1 \(row 0\), field 'conversation\[0\]': no `input`/`output` \(keys: from, value\)"),
 ])
 def test_bad_jsonl_names_file_and_line(tmp_path, lines, message):
     path = write_lines(tmp_path / "d.jsonl", lines)
@@ -132,11 +132,11 @@ def test_nested_field_types_must_agree_across_rows(tmp_path):
     rows = [{"conversation": [{"input": "q", "output": "a", "score": 1}]},
             {"conversation": [{"input": "q", "output": "a", "score": "high"}]}]
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
-    with pytest.raises(DatasetError, match=r"d.jsonl, line 2, field 'conversation\[\].score': a string here "
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2 \(row 1\), field 'conversation\[\].score': a string here "
                                            r"but a number at line 1"):
         check_json_file(path)
     write_lines(path, [json.dumps({"tags": ["a", 1]})])
-    with pytest.raises(DatasetError, match=r"line 1, field 'tags\[\]': a number here but a string at line 1"):
+    with pytest.raises(DatasetError, match=r"line 1 \(row 0\), field 'tags\[\]': a number here but a string at line 1"):
         check_json_file(path)
 
 

@@ -155,3 +155,24 @@ def test_loading_checks_max_length_when_asked(tmp_path, tiny_tokenizer_dir, data
     with pytest.raises(ProcessedDatasetError, match=r"processed with max_length=256, but this config asks for "
                                                     r"max_length=512"):
         load_processed_dataset(tmp_path / "out", max_length=512)
+
+
+def test_train_prints_a_refused_folder_as_one_line(tmp_path, tiny_tokenizer_dir, data_file, tiny_qwen2_dir):
+    cfg = load_config(write_config(tmp_path, tiny_tokenizer_dir, data_file))
+    process_dataset(cfg, tmp_path / "out")
+    train_cfg = tmp_path / "train.py"
+    train_cfg.write_text(
+        "from transformers import AutoModelForCausalLM\n"
+        "from sfttool.model import SupervisedFinetune\n"
+        "from sfttool.tools.process_dataset import load_processed_dataset\n"
+        f"model = dict(type=SupervisedFinetune, llm=dict(type=AutoModelForCausalLM.from_pretrained, "
+        f"pretrained_model_name_or_path={str(tiny_qwen2_dir)!r}))\n"
+        f"train_dataloader = dict(batch_size=1, dataset=dict(type=load_processed_dataset, "
+        f"path={str(tmp_path / 'out')!r}, max_length=512))\n"
+        "optim_wrapper = dict(optimizer=dict(type='torch.optim.AdamW', lr=1e-4))\n"
+        "train_cfg = dict(by_epoch=False, max_iters=1)\n")
+    result = CliRunner().invoke(cli, ["train", str(train_cfg), "--work-dir", str(tmp_path / "w")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: {tmp_path / 'out'}: processed with max_length=256, but this config asks for max_length=512; "
+        "re-run `sfttool process-dataset` with this config")
