@@ -61,7 +61,7 @@ warmup_ratio = 0.03          # warm-up over the first 3% of iterations
 seed = 42
 
 # Save
-save_steps = 500             # a checkpoint every 500 iterations (~31 optimizer steps)
+save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
 save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 
 # Sample generations during training

@@ -41,6 +41,10 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     remote_code_policy(cfg, trust_remote_code)
     work_dir = resolve_work_dir(cfg, work_dir)
     check_work_dir(work_dir, resume)  # fail now, not at the first checkpoint hours later
+    misaligned = checkpoint_interval_warning(cfg)
+    if misaligned:
+        from mmengine.logging import print_log
+        print_log(misaligned, logger="current", level=logging.WARNING)
     if seed is not None:
         apply_seed(cfg, seed)
     seed = _seed(cfg, seed)
@@ -103,6 +107,19 @@ def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
     allowed = apply_trust_remote_code(cfg, trust_remote_code)
     if allowed:
         warnings.warn(remote_code_warning(allowed), stacklevel=2)
+
+
+def checkpoint_interval_warning(cfg: Any) -> str | None:
+    """A warning when periodic checkpoints fall inside an accumulation window: the gradients gathered
+    since the last optimizer step are not saved, so a resume from such a checkpoint is not exact."""
+    accumulation = (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1
+    interval = ((cfg.get("default_hooks") or {}).get("checkpoint") or {}).get("interval")
+    if isinstance(interval, int) and isinstance(accumulation, int) and interval % accumulation:
+        return (f"default_hooks.checkpoint.interval={interval} is not a multiple of "
+                f"optim_wrapper.accumulative_counts={accumulation}: its checkpoints fall inside an optimizer "
+                "step, and a resume from one drops that step's gathered gradients; use a multiple "
+                f"(e.g. {interval - interval % accumulation or accumulation})")
+    return None
 
 
 def apply_seed(cfg: Any, seed: int) -> None:

@@ -74,6 +74,16 @@ def test_seed_flag_reaches_every_seed_the_config_copied():
     assert cfg.randomness.deterministic is False  # the rest of randomness is kept
 
 
+def test_checkpoints_inside_an_accumulation_window_are_warned_about():
+    from sfttool.config import load_config
+    from sfttool.engine.train import checkpoint_interval_warning
+    name = "qwen2_5_0_5b_instruct_lora_alpaca_e3"
+    assert checkpoint_interval_warning(load_config(name)) is None  # the built-ins save on step boundaries
+    message = checkpoint_interval_warning(load_config(name, ["default_hooks.checkpoint.interval=500"]))
+    assert message.startswith("default_hooks.checkpoint.interval=500 is not a multiple of "
+                              "optim_wrapper.accumulative_counts=16") and message.endswith("(e.g. 496)")
+
+
 def test_each_run_of_a_process_gets_its_own_experiment_name(tiny_cfg):
     from sfttool.config import load_config
     from sfttool.engine.train import experiment_name

@@ -164,7 +164,8 @@ def test_optimizer_and_schedule_build_for_a_tiny_parameter():
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == cfg.lr == 2e-4
     warmup, cosine = cfg.param_scheduler
     assert warmup.end == pytest.approx(0.03 * 3) == cosine.begin and cosine.end == 3
-    assert cfg.default_hooks.checkpoint.interval == cfg.save_steps == 500
+    assert cfg.default_hooks.checkpoint.interval == cfg.save_steps == 512
+    assert cfg.save_steps % cfg.optim_wrapper.accumulative_counts == 0  # checkpoints on step boundaries
     assert set(cfg.default_hooks) == {"timer", "logger", "param_scheduler", "sampler_seed", "checkpoint"}
 
 
