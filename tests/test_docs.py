@@ -68,3 +68,11 @@ def test_documented_command_parses(doc, line, transcript):
         target = ctx.params.get("config") or ctx.params.get("name")
         if target and "/" not in target and not target.endswith(".py") and target.isidentifier():
             assert target in list_configs(), f"{doc}: `{line}` names a config that is not shipped"
+
+
+def test_every_docs_page_is_linked_from_the_docs_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = {target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", index)}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md"}
+    missing = sorted(pages - linked)
+    assert not missing, f"docs/README.md does not link {missing}"

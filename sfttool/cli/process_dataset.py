@@ -18,7 +18,7 @@ from sfttool.tools.process_dataset import DEFAULT_SHARD_ROWS
               help="Processes for tokenizing, packing and writing (default: the config's map_num_proc).")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=DEFAULT_SHARD_ROWS, show_default=True,
               help="Raw rows tokenized and packed together; memory follows this, not the dataset size "
-                   "(about 50 bytes per token of a shard, see docs/scale.md).")
+                   "(about 60 bytes per token of a shard, see docs/scale.md).")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already saved in --out.")
 @cfg_options_option
 @user_errors
