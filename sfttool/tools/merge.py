@@ -209,11 +209,16 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
     return save_dir
 
 
+def _is_weights_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
+
+
 @contextlib.contextmanager
 def output_folder(save_dir: Path, error: type[Exception] = MergeError) -> Iterator[Path]:
     """A hidden folder to write into, next to ``save_dir`` (inside it when it
     already exists); when the block succeeds its files move into ``save_dir``
-    (other files already there are kept), and on any failure it is removed,
+    (other files already there are kept, except weight files of an earlier save
+    that the new one does not overwrite), and on any failure it is removed,
     so a failed save never leaves a half-written model behind. An OS error
     (disk full, no permission) becomes one line of ``error``."""
     from sfttool.utils.atomic import TMP_MARK, _os_error_text, before_rename, partial_output_name
@@ -226,6 +231,10 @@ def output_folder(save_dir: Path, error: type[Exception] = MergeError) -> Iterat
         yield tmp
         before_rename(tmp, save_dir)
         if existing:
+            new = {item.name for item in tmp.iterdir()}
+            for old in save_dir.iterdir():  # weights of an earlier save that this one does not replace
+                if old.is_file() and old.name not in new and _is_weights_file(old.name):
+                    old.unlink()  # (a stale shard or index next to new weights would load as a mix)
             for item in tmp.iterdir():
                 os.replace(item, save_dir / item.name)
         else:

@@ -121,6 +121,19 @@ def test_a_failed_save_leaves_no_partial_output(adapter_dir, tiny_llama_dir, tmp
     assert [p.name for p in tmp_path.rglob("*")] == ["old", "notes.txt"]
 
 
+def test_merging_into_a_folder_with_an_earlier_sharded_save_leaves_no_stale_shards(adapter_dir, tiny_llama_dir,
+                                                                                    tmp_path):
+    out = tmp_path / "merged"
+    out.mkdir()
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        (out / stale).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    merge_adapter(tiny_llama_dir, adapter_dir, out)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and "notes.txt" in names
+    assert not {"model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"} & set(names)
+
+
 def test_training_outputs_given_as_base_or_adapter_are_one_line(lora_run, tiny_llama_dir, tmp_path):
     def error(base, adapter):
         result = CliRunner().invoke(cli, ["convert", "merge", str(base), str(adapter), str(tmp_path / "m")])
