@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -53,8 +54,8 @@ def find_config(name_or_path: str | Path) -> Path:
         return path.resolve()
     if path.is_file():
         raise ConfigError(f"{path}: a config must be a Python file ending in .py")
-    if len(path.parts) > 1:  # a folder was named: never run a built-in of the same name instead
-        raise ConfigError(f"{path}: no such config file")
+    if "/" in str(name_or_path) or os.sep in str(name_or_path):  # a folder was named (`./` too):
+        raise ConfigError(f"{name_or_path}: no such config file")  # never run a built-in of that name instead
     builtin = builtin_config_dir() / f"{path.stem if path.suffix == '.py' else name_or_path}.py"
     if builtin.is_file() and not builtin.stem.startswith("_"):
         return builtin

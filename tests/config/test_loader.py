@@ -39,6 +39,8 @@ def test_a_path_with_a_folder_never_falls_back_to_a_builtin(tmp_path):
     name = "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
     with pytest.raises(ConfigError, match=r"my_edits/qwen2_5_7b_instruct_qlora_alpaca_e3.py: no such config file$"):
         find_config(str(tmp_path / "my_edits" / name))
+    with pytest.raises(ConfigError, match=r"^\./qwen2_5_7b_instruct_qlora_alpaca_e3.py: no such config file$"):
+        find_config(f"./{name}")
 
 
 def test_find_config_by_name_by_name_with_suffix_and_by_path(tmp_path):
