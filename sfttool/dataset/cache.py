@@ -100,8 +100,8 @@ def data_files_digest(dataset_cfg: Any) -> list:
 
 
 def _pipeline_code_digest() -> str:
-    from sfttool.dataset import encode, pack, pipeline
-    text = "".join(inspect.getsource(m) for m in (encode, pack, pipeline))
+    from sfttool.dataset import encode, pack, pipeline, resolve
+    text = "".join(inspect.getsource(m) for m in (encode, pack, pipeline, resolve))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

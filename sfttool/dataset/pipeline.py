@@ -23,7 +23,9 @@ from typing import Any, Callable
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.registry import MAP_FUNC, build_if_config
+from sfttool.dataset.resolve import (SafeMapFn, dataset_config, resolve_dataset, resolve_map_fn,
+                                     resolve_template_map_fn, source_name, template_of)
+from sfttool.registry import build_if_config
 
 
 @dataclass
@@ -48,88 +50,7 @@ def log(message: str, level: int = logging.INFO) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Resolving arguments (objects or configs).
-
-def dataset_config(dataset: Any) -> Any:
-    """A dataset config with its own arguments built (``data_files=dict(type=builtin_data_file, ...)``
-    becomes a path) but not itself, so the files can be checked before ``load_dataset`` runs."""
-    from sfttool.registry import build
-    if not (isinstance(dataset, dict) and "type" in dataset):
-        return dataset
-    return dict(type=dataset["type"], **{k: build(v, f"dataset.{k}") for k, v in dataset.items() if k != "type"})
-
-
-def resolve_dataset(dataset: Any, split: str, validate: bool = True):
-    """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``)."""
-    from datasets import DatasetDict
-    if validate:
-        validate_json_source(dataset)
-    dataset = build_if_config(dataset, "dataset")
-    if isinstance(dataset, DatasetDict):
-        if split not in dataset:
-            raise DatasetError(f"dataset has no split {split!r} (it has {', '.join(dataset)}); set split=...")
-        dataset = dataset[split]
-    return dataset
-
-
-def validate_json_source(dataset_cfg: Any) -> None:
-    """For ``dict(type=load_dataset, path='json', data_files=...)`` on local files, check
-    every line first so a malformed one is reported by file and line, not by Arrow."""
-    from sfttool.dataset.load import check_json_file, local_json_files
-    if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
-        return
-    type_ = dataset_cfg["type"]
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    if name.rsplit(".", 1)[-1] != "load_dataset":
-        return
-    for file in local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files")):
-        check_json_file(file, field=dataset_cfg.get("field"))
-
-
-def resolve_map_fn(map_fn: Any) -> Callable | None:
-    """A map fn from a function, a registered name or a config dict."""
-    if map_fn is None or callable(map_fn):
-        return map_fn
-    if isinstance(map_fn, str):
-        import sfttool.dataset.map_fns  # noqa: F401  (registers the built-in map fns)
-        fn = MAP_FUNC.get(map_fn) if map_fn in MAP_FUNC else None
-        if fn is None:
-            import difflib
-            known = sorted(MAP_FUNC.module_dict)
-            close = difflib.get_close_matches(map_fn, known, n=3)
-            raise DatasetError(f"unknown dataset_map_fn {map_fn!r}; valid names: "
-                               f"{', '.join(close + [k for k in known if k not in close])}")
-        return fn
-    return build_if_config(map_fn, "dataset_map_fn")
-
-
-def template_of(template_map_fn: Any) -> Any:
-    """The template a template_map_fn (config dict or partial) was made from, or None."""
-    if isinstance(template_map_fn, dict):
-        template = template_map_fn.get("template")
-    else:
-        template = getattr(template_map_fn, "keywords", {}).get("template")
-    if isinstance(template, str):
-        from sfttool.utils.templates import get_template
-        template = _user_value_error(get_template, template)
-    return template
-
-
-def resolve_template_map_fn(template_map_fn: Any) -> Callable | None:
-    if template_map_fn is None or callable(template_map_fn):
-        return template_map_fn
-    return _user_value_error(build_if_config, template_map_fn, "template_map_fn")
-
-
-def _user_value_error(fn: Callable, *args: Any) -> Any:
-    """Turn a library's ValueError (e.g. an unknown template name) into a DatasetError."""
-    try:
-        return fn(*args)
-    except DatasetError:
-        raise
-    except ValueError as exc:
-        raise DatasetError(str(exc)) from None
-
+# Processes for ``map``.
 
 def default_num_proc(rows: int, map_num_proc: int | None) -> int:
     """Processes for ``map``: as configured (XTuner configs say 32), but no more than the CPUs,
@@ -137,36 +58,6 @@ def default_num_proc(rows: int, map_num_proc: int | None) -> int:
     cpus = os.cpu_count() or 1
     wanted = min(8, cpus) if map_num_proc is None else map_num_proc
     return max(1, min(wanted, cpus, rows // 5000 or 1))
-
-
-class SafeMapFn:
-    """Wrap a dataset map fn so a failing row is reported with its index and the fn's name."""
-
-    def __init__(self, fn: Callable, source: str | None = None):
-        self.fn, self.source = fn, source
-        self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
-
-    def __call__(self, row: dict, index: int) -> dict:
-        if ROW_COLUMN in row:
-            index = row[ROW_COLUMN]
-            row = {k: v for k, v in row.items() if k != ROW_COLUMN}
-        try:
-            return self.fn(row)
-        except Exception as exc:  # a user fn may raise anything: report where
-            where = f"{self.source}, row {index}" if self.source else f"row {index}"
-            raise DatasetError(f"{where}: dataset_map_fn {self.name} failed: {type(exc).__name__}: {exc}") from None
-
-
-def source_name(dataset_cfg: Any) -> str | None:
-    """The data file(s) a dataset config reads, for error messages."""
-    if not isinstance(dataset_cfg, dict):
-        return None
-    files = dataset_cfg.get("data_files")
-    if isinstance(files, dict):
-        files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
-    if isinstance(files, (list, tuple)):
-        return ", ".join(map(str, files))
-    return str(files) if files else dataset_cfg.get("path")
 
 
 # ---------------------------------------------------------------------------

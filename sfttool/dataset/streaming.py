@@ -30,7 +30,8 @@ import torch
 from sfttool.dataset.encode import check_conversation, encode_batch
 from sfttool.dataset.errors import DatasetError, where
 from sfttool.dataset.pack import best_fit_decreasing
-from sfttool.dataset.pipeline import SafeMapFn, dataset_config, log, source_name
+from sfttool.dataset.pipeline import log
+from sfttool.dataset.resolve import SafeMapFn, dataset_config, source_name
 from sfttool.registry import BUILDER, build_if_config
 
 Sample = dict[str, Any]  # {'input_ids': [...], 'labels': [...]}: one encoded conversation
@@ -206,7 +207,7 @@ class StreamingEncoder:
 
     def __init__(self, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
                  template_map_fn: Any = None, input_ids_with_output: bool = True):
-        from sfttool.dataset.pipeline import resolve_map_fn, resolve_template_map_fn, template_of
+        from sfttool.dataset.resolve import resolve_map_fn, resolve_template_map_fn, template_of
         from sfttool.utils.templates import is_hf_chat_template
 
         self.tokenizer = build_if_config(tokenizer, "tokenizer")

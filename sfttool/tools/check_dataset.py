@@ -67,7 +67,8 @@ def pipeline_args(node: dict) -> dict:
     """The node's arguments with process_hf_dataset's defaults filled in."""
     import inspect
 
-    from sfttool.dataset.pipeline import dataset_config, process_hf_dataset
+    from sfttool.dataset.pipeline import process_hf_dataset
+    from sfttool.dataset.resolve import dataset_config
     args = {name: p.default for name, p in inspect.signature(process_hf_dataset).parameters.items()
             if p.default is not inspect.Parameter.empty}
     args.update({k: v for k, v in node.items() if k != "type"})
@@ -95,7 +96,7 @@ def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
 def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the schema check on every row; list the first errors."""
     from sfttool.dataset.encode import check_conversation
-    from sfttool.dataset.pipeline import SafeMapFn
+    from sfttool.dataset.resolve import SafeMapFn
     safe = SafeMapFn(map_fn, source) if map_fn is not None else None
     found = 0
     for index, row in enumerate(dataset):
@@ -288,8 +289,8 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     import inspect
 
     from sfttool.dataset.load import check_json_file, local_json_files
-    from sfttool.dataset.pipeline import (resolve_dataset, resolve_map_fn, run_pipeline, source_name,
-                                          template_of)
+    from sfttool.dataset.pipeline import run_pipeline
+    from sfttool.dataset.resolve import resolve_dataset, resolve_map_fn, source_name, template_of
     from sfttool.registry import build_if_config
     args = pipeline_args(node)
     errors_before = len(findings.errors)

@@ -158,8 +158,8 @@ def _shard_datasets(node: dict, shard_rows: int):
                 "only map-style datasets (process_hf_dataset) can be saved")
         yield dataset
         return
-    from sfttool.dataset.pipeline import (PipelineReport, dataset_config, number_rows, resolve_dataset, select_rows,
-                                          source_name)
+    from sfttool.dataset.pipeline import PipelineReport, number_rows, select_rows
+    from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
 
     # Built once for all shards; the saved folder replaces any pipeline cache.
     args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", "cache_dir")}

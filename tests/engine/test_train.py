@@ -88,7 +88,7 @@ def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir
 
 
 def test_one_process_rank_env_puts_back_what_was_there(monkeypatch):
-    from sfttool.engine.train import one_process_rank_env
+    from sfttool.engine.processes import one_process_rank_env
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
