@@ -321,8 +321,8 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
         env_cfg["dist_cfg"]["backend"] = compat.cpu_dist_backend(env_cfg["dist_cfg"].get("backend"))
     common = dict(
         model=model, work_dir=str(work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
-        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch,
-                                                 total_iters(loop, per_epoch)),
+        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, total_iters(loop, per_epoch),
+                                                 (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=launcher, env_cfg=env_cfg,
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
         visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),

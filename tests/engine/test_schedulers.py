@@ -48,3 +48,17 @@ def test_iteration_based_configs_and_single_scheduler():
     resolved = resolve_param_schedulers(dict(type="LinearLR", by_epoch=False, begin=0, end=0.4), 10, 50)
     assert resolved == [dict(type="LinearLR", by_epoch=False, begin=0, end=2)]
     assert resolve_param_schedulers(None, 10, 50) is None
+
+
+@pytest.mark.parametrize("accumulation", [2, 16])
+def test_with_accumulation_the_warm_up_spans_two_optimizer_steps(accumulation):
+    """An optimizer step uses the lr of the iteration it happens on (the last of its window): the first
+    step sees a reduced lr and the second the peak, even on a run whose 3 % warm-up is under one step."""
+    max_iters = 10 * accumulation
+    resolved = resolve_param_schedulers(XTUNER_STYLE, iters_per_epoch=max_iters // 3, max_iters=max_iters,
+                                        accumulative_counts=accumulation)
+    assert resolved[0]["end"] == 2 * accumulation == resolved[1]["begin"]
+    trace = lr_trace(resolved, max_iters)
+    step_lrs = trace[accumulation - 1::accumulation]  # the lr of each optimizer step
+    assert 0.3 < step_lrs[0] < 0.7 and step_lrs[1] == pytest.approx(1.0)
+    assert all(a >= b - 1e-12 for a, b in zip(step_lrs[1:], step_lrs[2:]))
