@@ -74,6 +74,7 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
     with setup_log(name) as records:  # dataset statistics and model loading, before the runner's log file exists
         dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
         model = build(cfg.model, "model")
+        check_vocabulary(dataset, model)  # else an IndexError (a device-side assert on GPU) at the first step
         ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
         if resume_from and not deepspeed:  # DeepSpeed's folders load only with its own pickled objects: not checked
             check_checkpoint_fits(resume_from, model)  # another model's checkpoint: one line, before any building
@@ -85,6 +86,25 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
         runner.train()
     save_hf(runner, cfg, work_dir)
+
+
+def check_vocabulary(dataset: Any, model: Any) -> None:
+    """Every token id in the data must have a row in the model's embedding table. A tokenizer with
+    added tokens makes larger ids; ``model.tokenizer`` grows the embeddings to fit it, and an XTuner
+    config that leaves it out would fail only inside the first forward."""
+    import pyarrow.compute as pc
+
+    column_names = getattr(dataset, "column_names", None) or []
+    embeddings = getattr(model, "llm", model).get_input_embeddings()
+    if "input_ids" not in column_names or embeddings is None or len(dataset) == 0:
+        return  # a streamed or custom dataset: ids are not known before training
+    ids = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    biggest = pc.max(pc.list_flatten(ids)).as_py()
+    if biggest is not None and biggest >= embeddings.num_embeddings:
+        raise ConfigError(
+            f"the data holds token id {biggest} but the model's embedding table has {embeddings.num_embeddings} "
+            "rows: the tokenizer has tokens the model lacks (added special tokens?); set "
+            "model=dict(..., tokenizer=tokenizer) so SupervisedFinetune grows the embeddings to fit it")
 
 
 def announce_config(config: str) -> None:
@@ -376,7 +396,8 @@ def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
     out = work_dir / ("hf_adapter" if getattr(model, "use_lora", False) else "hf_model")
     with _gathered(runner.model, model):
         if is_main_process():
-            llm.save_pretrained(str(out), safe_serialization=True)
+            with _kv_cache_on(llm):  # training turned it off; the saved model is for inference
+                llm.save_pretrained(str(out), safe_serialization=True)
             tokenizer = cfg.get("tokenizer")
             if tokenizer is not None:
                 build(tokenizer, "tokenizer").save_pretrained(str(out))
@@ -387,6 +408,19 @@ def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
     return out
 
 
+@contextlib.contextmanager
+def _kv_cache_on(llm: Any) -> Iterator[None]:
+    config = getattr(llm, "config", None)
+    before = getattr(config, "use_cache", None)
+    if config is not None:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        if config is not None:
+            config.use_cache = before
+
+
 def _gathered(wrapped: Any, model: Any):
     """ZeRO-3 partitions parameters across ranks: gather them for saving."""
     from sfttool.engine.runner import deepspeed_engine
@@ -395,5 +429,9 @@ def _gathered(wrapped: Any, model: Any):
     if callable(partitioned) and partitioned():
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+        # A LoRA export holds only the trained weights (the adapter, and embeddings when they grew): gather
+        # those, not the whole frozen base model at once, which is what ZeRO-3 exists to avoid holding.
+        lora = getattr(model, "use_lora", False)
+        params = [p for p in model.parameters() if p.requires_grad or not lora]
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
     return contextlib.nullcontext()

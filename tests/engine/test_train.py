@@ -83,6 +83,7 @@ def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir
     trained = AutoModelForCausalLM.from_pretrained(work_dir / "hf_model", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
     assert (work_dir / "hf_model" / "tokenizer_config.json").is_file()
+    assert trained.config.use_cache is True  # training turns the KV cache off; the export is for inference
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert len(changed) == len(list(base.parameters()))  # every weight trained
 
@@ -98,3 +99,18 @@ def test_one_process_rank_env_puts_back_what_was_there(monkeypatch):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     assert os.environ["RANK"] == "3"
     assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+def test_token_ids_beyond_the_embedding_table_are_refused_before_training(tiny_llama_dir):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.config import ConfigError
+    from sfttool.engine.train import check_vocabulary
+    from sfttool.model import SupervisedFinetune
+    model = SupervisedFinetune(llm=AutoModelForCausalLM.from_pretrained(tiny_llama_dir), use_activation_checkpointing=False)
+    rows = model.llm.get_input_embeddings().num_embeddings
+    check_vocabulary(Dataset.from_dict({"input_ids": [[1, 2], [rows - 1]]}), model)
+    with pytest.raises(ConfigError, match=rf"^the data holds token id {rows + 2} but the model's embedding table "
+                                          rf"has {rows} rows: .*set model=dict\(\.\.\., tokenizer=tokenizer\)"):
+        check_vocabulary(Dataset.from_dict({"input_ids": [[1, 2], [rows + 2, 3]]}), model)
