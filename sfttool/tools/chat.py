@@ -86,6 +86,9 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
                                                      trust_remote_code=trust_remote_code)
     if adapter is not None:
         from peft import PeftModel
+
+        from sfttool.tools.merge import fit_embeddings_to_adapter
+        fit_embeddings_to_adapter(model, adapter)
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and has_tokenizer(adapter) else model_path,

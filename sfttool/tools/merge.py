@@ -168,8 +168,21 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
 
     with load_errors(base, MergeError):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, device_map=device_map_for(device))
+    fit_embeddings_to_adapter(model, adapter)
     model = PeftModel.from_pretrained(model, str(adapter))
     return model.merge_and_unload()
+
+
+def fit_embeddings_to_adapter(model, adapter: str | os.PathLike) -> None:
+    """Grow the base model's embeddings to the tokenizer saved with the adapter, as training did when the
+    tokenizer had added tokens; the adapter then carries the trained rows (else peft fails on a size
+    mismatch of embed_tokens/lm_head)."""
+    if not has_tokenizer(adapter):
+        return
+    from transformers import AutoTokenizer
+
+    from sfttool.model.build import resize_embeddings
+    resize_embeddings(model, AutoTokenizer.from_pretrained(str(adapter)))
 
 
 def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,

@@ -168,3 +168,25 @@ def test_merge_prints_no_bitsandbytes_kernel_warning(adapter_dir, tiny_llama_dir
                            str(adapter_dir), str(tmp_path / "m")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "gemm_4bit_forward" not in proc.stderr and "pip install kernels" not in proc.stderr
+
+
+def test_an_adapter_trained_with_added_tokens_merges_and_chats(tiny_llama_dir, tiny_tokenizer_bos_dir, tmp_path):
+    """Training grew the embeddings for the added tokens and the adapter holds those rows: merge and chat
+    grow the base to the adapter's tokenizer first (plain PeftModel.from_pretrained fails on the sizes)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sfttool.model import SupervisedFinetune
+    from sfttool.tools.chat import load_chat_model
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_bos_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool>", "</tool>", "<think>"]})
+    model = SupervisedFinetune(llm=AutoModelForCausalLM.from_pretrained(tiny_llama_dir), tokenizer=tok,
+                               lora=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"),
+                               use_activation_checkpointing=False)
+    adapter = tmp_path / "adapter"
+    model.llm.save_pretrained(str(adapter))
+    tok.save_pretrained(str(adapter))
+    merged = merge_adapter(tiny_llama_dir, adapter, tmp_path / "merged")
+    assert AutoModelForCausalLM.from_pretrained(merged).get_input_embeddings().num_embeddings == len(tok)
+    chat_model, chat_tok = load_chat_model(tiny_llama_dir, adapter=adapter)
+    assert chat_model.get_input_embeddings().num_embeddings == len(chat_tok) == len(tok)
