@@ -7,19 +7,36 @@ turn the config's optimizer wrapper into what mmengine's DeepSpeed strategy want
 
 Filled fields: ``train_micro_batch_size_per_gpu`` <- ``train_dataloader.batch_size``;
 ``gradient_accumulation_steps`` <- ``optim_wrapper.accumulative_counts``;
+``train_batch_size`` <- their product times the number of processes;
 ``gradient_clipping`` <- ``optim_wrapper.clip_grad.max_norm`` (0 when unset);
 ``fp16``/``bf16`` <- ``AmpOptimWrapper``'s ``dtype`` on GPUs (both off on CPU).
-A preset value that is not ``"auto"`` and disagrees with the config is an error.
+A preset value that is not ``"auto"`` and disagrees with the config is an error, and
+so is an ``"auto"`` anywhere else (except the few DeepSpeed resolves itself).
 """
 from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from sfttool.config import ConfigError
 from sfttool.config.loader import deepspeed_preset_dir, list_deepspeed_presets
+
+FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+          "gradient_clipping", "fp16.enabled", "bf16.enabled")
+# DeepSpeed 0.19's config models drop an "auto" here and use their default (5e8, 5e7, 1e5);
+# HF's integration derives them from the hidden size instead, which is not known yet.
+DEEPSPEED_RESOLVES = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                      "zero_optimization.stage3_param_persistence_threshold")
+# Sections DeepSpeed would use instead of (optimizer: ignored) or on top of (scheduler) the config's.
+NOT_USED = {
+    "optimizer": "sfttool hands DeepSpeed the config's torch optimizer, so DeepSpeed ignores this section; "
+                 "remove it and set optim_wrapper.optimizer",
+    "scheduler": "DeepSpeed would step this learning-rate schedule on top of the config's param_scheduler; "
+                 "remove it and set param_scheduler",
+}
 
 
 def find_preset(name_or_path: str) -> Path:
@@ -55,36 +72,88 @@ def _precision(optim_wrapper: dict, on_gpu: bool, bf16_ok: bool) -> tuple[bool, 
     return True, False
 
 
-def _fill(ds: dict, key: str, wanted: Any, source: str, preset: Path, errors: list) -> None:
+def _fill(ds: dict, key: str, wanted: Any, source: str, errors: list) -> None:
     current = ds.get(key, "auto")
     if _is_auto(current):
         ds[key] = wanted
     elif current != wanted:
-        errors.append(f"{preset}: {key} is {current!r} but the config's {source} gives {wanted!r}; "
+        errors.append(f"{key} is {current!r} but the config's {source} gives {wanted!r}; "
                       f"set {key} to \"auto\" in the DeepSpeed JSON or change {source}")
 
 
-def fill_auto(ds: dict, cfg: Any, preset: Path, on_gpu: bool, bf16_ok: bool = True) -> dict:
-    """A copy of preset ``ds`` with every ``"auto"`` replaced from ``cfg``."""
+def _clip_norm(optim_wrapper: dict, errors: list) -> float | None:
+    """``gradient_clipping`` for ``optim_wrapper.clip_grad``; None when DeepSpeed cannot do what it asks."""
+    clip = optim_wrapper.get("clip_grad") or {}
+    kind, norm_type = clip.get("type", "norm"), clip.get("norm_type", 2)
+    if kind != "norm" or norm_type != 2:  # DeepSpeed clips only by the global L2 norm
+        what = f"type={kind!r}" if kind != "norm" else f"norm_type={norm_type!r}"
+        errors.append(f"optim_wrapper.clip_grad has {what} but DeepSpeed clips only by the L2 norm of the "
+                      f"gradients; use clip_grad=dict(max_norm=...) or train without --deepspeed")
+        return None
+    if clip and "max_norm" not in clip:
+        errors.append("optim_wrapper.clip_grad has no max_norm; set clip_grad=dict(max_norm=...) "
+                      "or clip_grad=None for no clipping")
+        return None
+    return float(clip.get("max_norm", 0.0))
+
+
+def _fill_precision(ds: dict, ow: dict, on_gpu: bool, bf16_ok: bool, errors: list) -> None:
+    fp16, bf16 = _precision(ow, on_gpu, bf16_ok)
+    trains_in = "bfloat16" if bf16 else "float16" if fp16 else "float32"
+    for key, wanted in (("fp16", fp16), ("bf16", bf16)):
+        section = ds.setdefault(key, {"enabled": "auto"})
+        current = section.get("enabled", "auto")
+        if _is_auto(current):
+            section["enabled"] = wanted
+        elif current and not on_gpu:
+            errors.append(f"{key}.enabled is true but this machine has no GPU; set it to \"auto\" or false")
+        elif bool(current) != wanted:
+            errors.append(f"{key}.enabled is {json.dumps(current)} but the config's optim_wrapper trains in "
+                          f"{trains_in}; set {key}.enabled to \"auto\" in the DeepSpeed JSON or change "
+                          f"optim_wrapper (type AmpOptimWrapper, dtype 'bfloat16' or 'float16')")
+
+
+def _autos(value: Any, path: str = ""):
+    """Key paths (``a.b[0].c``) of the ``"auto"`` values in a JSON tree."""
+    if _is_auto(value):
+        yield path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _autos(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _autos(item, f"{path}[{i}]")
+
+
+def _unfillable(ds: dict, errors: list) -> None:
+    for section, why in NOT_USED.items():
+        if section in ds:
+            errors.append(f"{section}: {why}")
+    for path in _autos({k: v for k, v in ds.items() if k not in NOT_USED}):
+        if path not in DEEPSPEED_RESOLVES + FILLED:  # a filled one left "auto" has its own error
+            errors.append(f"{path} is \"auto\" but nothing fills it; set a value (sfttool fills "
+                          f"{', '.join(FILLED)}; DeepSpeed {', '.join(DEEPSPEED_RESOLVES)})")
+
+
+def fill_auto(ds: dict, cfg: Any, preset: Path, on_gpu: bool, bf16_ok: bool = True, world_size: int = 1) -> dict:
+    """A copy of preset ``ds`` with every ``"auto"`` replaced from ``cfg`` (``world_size`` processes)."""
     ds = copy.deepcopy(ds)
     errors: list[str] = []
     ow = cfg.get("optim_wrapper", {}) or {}
-    _fill(ds, "train_micro_batch_size_per_gpu", int(cfg["train_dataloader"].get("batch_size", 1)),
-          "train_dataloader.batch_size", preset, errors)
-    _fill(ds, "gradient_accumulation_steps", int(ow.get("accumulative_counts", 1) or 1),
-          "optim_wrapper.accumulative_counts", preset, errors)
-    clip = (ow.get("clip_grad") or {}).get("max_norm", 0.0)
-    _fill(ds, "gradient_clipping", float(clip), "optim_wrapper.clip_grad.max_norm", preset, errors)
-    fp16, bf16 = _precision(ow, on_gpu, bf16_ok)
-    for key, wanted in (("fp16", fp16), ("bf16", bf16)):
-        section = ds.setdefault(key, {"enabled": "auto"})
-        if _is_auto(section.get("enabled", "auto")):
-            section["enabled"] = wanted
-        elif section["enabled"] and not on_gpu:
-            errors.append(f"{preset}: {key}.enabled is true but this machine has no GPU; "
-                          f"set it to \"auto\" or false")
+    micro = int(cfg["train_dataloader"].get("batch_size", 1))
+    accum = int(ow.get("accumulative_counts", 1) or 1)
+    _fill(ds, "train_micro_batch_size_per_gpu", micro, "train_dataloader.batch_size", errors)
+    _fill(ds, "gradient_accumulation_steps", accum, "optim_wrapper.accumulative_counts", errors)
+    _fill(ds, "train_batch_size", micro * accum * world_size,
+          f"train_dataloader.batch_size × optim_wrapper.accumulative_counts × {world_size} processes", errors)
+    clip = _clip_norm(ow, errors)
+    if clip is not None:
+        _fill(ds, "gradient_clipping", clip, "optim_wrapper.clip_grad.max_norm", errors)
+    _fill_precision(ds, ow, on_gpu, bf16_ok, errors)
+    _unfillable(ds, errors)
     if errors:
-        raise ConfigError("the DeepSpeed config contradicts the training config:\n  " + "\n  ".join(errors))
+        raise ConfigError(f"the DeepSpeed config {preset} does not fit the training config:\n  "
+                          + "\n  ".join(errors))
     return ds
 
 
@@ -99,7 +168,8 @@ def deepspeed_config(name_or_path: str, cfg: Any) -> dict:
         raise ConfigError(f"{preset}: not valid JSON ({exc})") from None
     on_gpu = torch.cuda.is_available()
     bf16_ok = on_gpu and torch.cuda.is_bf16_supported()
-    return fill_auto(ds, cfg, preset, on_gpu, bf16_ok)
+    world_size = int(os.environ.get("WORLD_SIZE") or 1)  # torchrun sets it in every worker
+    return fill_auto(ds, cfg, preset, on_gpu, bf16_ok, world_size)
 
 
 def deepspeed_optim_wrapper(optim_wrapper: dict) -> dict:
