@@ -27,24 +27,53 @@ class LaunchPlan:
         return self.nproc_per_node * self.nnodes
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, errors: list) -> int | None:
+    """``$name`` as an integer (``default`` when unset or empty); None, with an error, when it is not one."""
     value = os.environ.get(name)
     if value in (None, ""):
         return default
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
+        errors.append(f"environment variable {name}={value!r}: expected an integer")
+        return None
+
+
+def _check(name: str, value: int | None, ok: bool, wanted: str, errors: list) -> int | None:
+    if value is not None and not ok:
+        errors.append(f"environment variable {name}={os.environ[name]!r}: expected {wanted}")
+        return None
+    return value
 
 
 def plan_from_env(nproc_per_node: int | None = None) -> LaunchPlan:
-    """The launch the flags and environment ask for (``--nproc-per-node`` wins over the env)."""
-    nproc = nproc_per_node if nproc_per_node is not None else _env_int("NPROC_PER_NODE", 1)
-    if nproc < 1:
-        raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
-    port = os.environ.get("PORT")
-    return LaunchPlan(nproc_per_node=nproc, nnodes=_env_int("NNODES", 1), node_rank=_env_int("NODE_RANK", 0),
-                      addr=os.environ.get("ADDR", "127.0.0.1"), port=int(port) if port else None)
+    """The launch the flags and environment ask for (``--nproc-per-node`` wins over the env).
+    Every bad value is reported at once, in one ValueError that names the variable."""
+    errors: list[str] = []
+    if nproc_per_node is not None:
+        nproc = nproc_per_node
+        if nproc < 1:
+            errors.append(f"--nproc-per-node must be at least 1, got {nproc}")
+    else:
+        nproc = _env_int("NPROC_PER_NODE", 1, errors)
+        nproc = _check("NPROC_PER_NODE", nproc, nproc is None or nproc >= 1,
+                       "at least 1 (processes on this machine)", errors)
+    nnodes = _env_int("NNODES", 1, errors)
+    nnodes = _check("NNODES", nnodes, nnodes is None or nnodes >= 1, "at least 1 (machines in the job)", errors)
+    node_rank = _env_int("NODE_RANK", 0, errors)
+    if nnodes is not None:  # a rank outside 0 .. NNODES-1 waits forever for the others
+        node_rank = _check("NODE_RANK", node_rank, node_rank is None or 0 <= node_rank < nnodes,
+                           f"this machine's index among NNODES={nnodes}, from 0 to {nnodes - 1}", errors)
+    port = _env_int("PORT", None, errors)
+    port = _check("PORT", port, port is None or 1 <= port <= 65535, "a TCP port from 1 to 65535", errors)
+    addr = os.environ.get("ADDR") or None
+    # A worker's launcher (torchrun, maybe the user's own) already has the address.
+    if nnodes is not None and nnodes > 1 and addr is None and not inside_launcher():
+        errors.append(f"environment variable ADDR is unset but NNODES={nnodes}: set ADDR to the address of "
+                      f"the NODE_RANK=0 machine, the same on every machine")
+    if errors:
+        raise ValueError("; ".join(errors))
+    return LaunchPlan(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, addr=addr or "127.0.0.1", port=port)
 
 
 def inside_launcher() -> bool:

@@ -211,6 +211,12 @@ def test_bad_nproc_is_a_one_line_error(tiny_cfg):
     assert result.exit_code == 1 and "at least 1" in result.output
 
 
+def test_bad_launch_variable_is_a_one_line_error_naming_it(tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg)], env={"PORT": "99999", "LOCAL_RANK": None})
+    assert result.exit_code == 1
+    assert result.output.strip() == "Error: environment variable PORT='99999': expected a TCP port from 1 to 65535"
+
+
 def test_cfg_options_take_several_pairs_after_one_flag(tmp_path):
     """XTuner's spelling `--cfg-options a=1 b=2` equals repeating the flag."""
     from sfttool.cli.options import merge_cfg_options
