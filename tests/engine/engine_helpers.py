@@ -172,3 +172,27 @@ class FailOnRank(Hook):
 
         if get_rank() == self.rank:
             raise RuntimeError(f"rank {self.rank} failed on purpose")
+
+
+class ThroughputProbe(Hook):
+    """Write ``work_dir/throughput_probe.json``: the parameters ThroughputHook
+    counted, and each iteration's trained / processed token fraction, from its batch."""
+
+    priority = "LOWEST"
+
+    def before_train(self, runner):
+        from sfttool.engine.hooks import ThroughputHook
+
+        self.record = {"params": next(h.params for h in runner.hooks if isinstance(h, ThroughputHook)),
+                       "trained_fraction": {}}
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        data = data_batch["data"]
+        fraction = int((data["labels"] != -100).sum()) / data["input_ids"].numel()
+        self.record["trained_fraction"][runner.iter + 1] = fraction
+
+    def after_train(self, runner):
+        import json
+
+        with open(os.path.join(runner.work_dir, "throughput_probe.json"), "w") as f:
+            json.dump(self.record, f)

@@ -1,12 +1,19 @@
-"""Hook helpers and hook behaviour on a built dataset."""
+"""Hook helpers and hook behaviour on a built dataset, on a tiny model behind a
+stand-in runner, and in short training runs."""
 from __future__ import annotations
 
-import pytest
+import json
+import logging
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from engine_helpers import logged
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.hooks.dataset_info_hook import dataset_stats, trained_spans
 from sfttool.engine.hooks.evaluate_chat_hook import cut_at_stop_words
-from sfttool.engine.hooks.throughput_hook import peak_tflops_of
+from sfttool.engine.hooks.throughput_hook import logical_numel, peak_tflops_of
 
 
 def test_trained_spans():
@@ -65,3 +72,168 @@ def test_hooks_accept_tokenizer_configs(tiny_tokenizer_dir):
 def test_images_are_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match="evaluation_images"):
         EvaluateChatHook(tiny_tokenizer, ["x"], evaluation_images=["a.png"])
+
+
+# -- EvaluateChatHook: generation_kwargs and when it generates --------------------
+
+
+def fake_runner(model, work_dir, iteration=0, hooks=()):
+    """What the hooks read from an mmengine runner."""
+    from mmengine.logging import MessageHub
+
+    return SimpleNamespace(model=model, work_dir=str(work_dir), iter=iteration, hooks=list(hooks),
+                           logger=logging.getLogger("test_hooks"),
+                           message_hub=MessageHub.get_instance("test_hooks"))
+
+
+def tiny_sft(model_dir, **llm):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.model import SupervisedFinetune
+
+    torch.manual_seed(0)
+    return SupervisedFinetune(
+        llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=str(model_dir),
+                 dtype="float32", **llm),
+        lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout=0.0), use_activation_checkpointing=False)
+
+
+def test_generation_kwargs_win_over_the_defaults(tiny_tokenizer):
+    hook = EvaluateChatHook(tiny_tokenizer, ["hi"], max_new_tokens=600,
+                            generation_kwargs=dict(do_sample=True, temperature=0.7, max_new_tokens=5,
+                                                   eos_token_id=7, pad_token_id=8, use_cache=False))
+    assert hook.generation_kwargs == dict(do_sample=True, temperature=0.7, max_new_tokens=5, eos_token_id=7,
+                                          pad_token_id=8, use_cache=False)
+    defaults = EvaluateChatHook(tiny_tokenizer, ["hi"], prompt_template="qwen_chat", max_new_tokens=9)
+    stops = tiny_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])  # qwen_chat's STOP_WORDS
+    assert defaults.generation_kwargs == dict(max_new_tokens=9, do_sample=False, eos_token_id=sorted(stops),
+                                              pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True)
+
+
+@pytest.mark.parametrize("generation_kwargs", [
+    dict(max_new_tokens=3, min_new_tokens=3),  # exactly 3 new tokens, whatever the random model says
+    dict(do_sample=True, temperature=0.7),
+    dict(eos_token_id=5),
+    dict(pad_token_id=5),
+    dict(use_cache=False),
+], ids=lambda kwargs: ",".join(kwargs))
+def test_generation_kwargs_reach_generate(tmp_path, tiny_qwen2_dir, tiny_tokenizer, monkeypatch,
+                                          generation_kwargs):
+    model = tiny_sft(tiny_qwen2_dir)
+    hook = EvaluateChatHook(tiny_tokenizer, ["hello?"], prompt_template="qwen_chat", max_new_tokens=8,
+                            generation_kwargs=generation_kwargs)
+    seen = []
+    generate = model.llm.generate
+
+    def spy(**kwargs):
+        out = generate(**kwargs)  # [1, prompt + new]
+        seen.append((kwargs, out.shape[1] - kwargs["input_ids"].shape[1]))
+        return out
+
+    monkeypatch.setattr(model.llm, "generate", spy)
+    hook.before_train(fake_runner(model, tmp_path))
+    (kwargs, new_tokens), = seen
+    assert kwargs.items() >= generation_kwargs.items()
+    assert new_tokens == 3 if "max_new_tokens" in generation_kwargs else new_tokens <= 8
+    assert (tmp_path / "eval_outputs" / "iter_0.jsonl").is_file()
+
+
+@pytest.mark.parametrize("max_iters, expected", [(8, [0, 4, 8]), (10, [0, 4, 8, 10])])
+def test_generates_once_per_iteration(tmp_path, tiny_tokenizer, monkeypatch, max_iters, expected):
+    """When every_n_iters divides max_iters, the last iteration's generation is the final one."""
+    hook = EvaluateChatHook(tiny_tokenizer, ["hi"], every_n_iters=4)
+    generated = []
+
+    def answer(model, runner, text, iteration):
+        generated.append(iteration)
+        return {"iter": iteration, "input": text, "prompt": text, "output": ""}
+
+    monkeypatch.setattr(hook, "_answer", answer)
+    runner = fake_runner(torch.nn.Linear(2, 2), tmp_path)
+    hook.before_train(runner)
+    for runner.iter in range(max_iters):
+        hook.after_train_iter(runner, runner.iter)
+    runner.iter = max_iters
+    hook.after_train(runner)
+    assert generated == expected
+
+
+# -- ThroughputHook: parameters counted, values logged -----------------------------
+
+
+def test_logical_numel_of_a_zero3_partitioned_parameter():
+    partitioned = torch.nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves on a rank
+    partitioned.ds_numel = 64 * 64
+    assert logical_numel(partitioned) == 4096
+    assert logical_numel(torch.nn.Parameter(torch.empty(3, 5))) == 15
+
+
+def test_qlora_counts_the_parameters_of_the_unquantized_model(tmp_path, tiny_qwen2_dir):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    quant = dict(type=BitsAndBytesConfig, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="torch.float32")
+    counts = []
+    for model in (tiny_sft(tiny_qwen2_dir), tiny_sft(tiny_qwen2_dir, quantization_config=quant)):
+        hook = ThroughputHook()
+        hook.before_train(fake_runner(model, tmp_path))
+        counts.append(hook.params)
+    assert sum(p.numel() for p in model.parameters()) < counts[0]  # 4-bit storage: 2 values per byte
+    assert counts[1] == counts[0]
+
+
+def test_throughput_covers_the_logger_interval(tmp_path, monkeypatch):
+    """Tokens over summed time of the last `interval` iterations."""
+    from mmengine.hooks import LoggerHook
+
+    from sfttool.engine.hooks import throughput_hook
+
+    hook = ThroughputHook()
+    runner = fake_runner(torch.nn.Linear(2, 2), tmp_path, hooks=[LoggerHook(interval=2)])
+    hook.before_train(runner)
+    clock = iter([0.0, 1.0, 1.0, 4.0, 4.0, 5.0])  # iterations of 1 s, 3 s, 1 s
+    monkeypatch.setattr(throughput_hook.time, "perf_counter", lambda: next(clock))
+    tokens_per_sec = []
+    for tokens in (10, 50, 30):
+        batch = {"data": {"input_ids": torch.ones(1, tokens), "labels": torch.full((1, tokens), -100)}}
+        hook.before_train_iter(runner, 0, batch)
+        hook.after_train_iter(runner, 0, batch)
+        tokens_per_sec.append(runner.message_hub.get_scalar("train/tokens_per_sec").current())
+    assert tokens_per_sec == [10 / 1, (10 + 50) / (1 + 3), (50 + 30) / (3 + 1)]
+
+
+THROUGHPUT_HOOKS = "[dict(type=ThroughputHook), dict(type='engine_helpers.ThroughputProbe')]"
+
+
+def throughput_run(tiny_config, tmp_path, deepspeed=None):
+    """5 iterations of 8 packed rows, logged every iteration -> (work_dir, ThroughputProbe's record)."""
+    from sfttool.engine.train import train
+
+    cfg = tiny_config(f"throughput_{deepspeed}.py", batch_size=8, max_epochs=1, accumulative_counts=1,
+                      save_steps=100, custom_hooks=THROUGHPUT_HOOKS)
+    work_dir = train(str(cfg), work_dir=str(tmp_path / f"work_{deepspeed}"), deepspeed=deepspeed)
+    return work_dir, json.loads((work_dir / "throughput_probe.json").read_text())
+
+
+@pytest.mark.slow
+def test_each_log_line_has_its_own_iterations_throughput(tmp_path, tiny_config):
+    """The logger (BELOW_NORMAL) reads the message hub after ThroughputHook wrote this
+    iteration's values: trained / processed tokens per second on line i is batch i's
+    trained fraction (the seconds cancel), from the first line to the last."""
+    work_dir, probe = throughput_run(tiny_config, tmp_path)
+    tokens, trained = logged(work_dir, "tokens_per_sec"), logged(work_dir, "trained_tokens_per_sec")
+    assert len(tokens) == len(trained) == len(logged(work_dir)) == 5
+    fractions = [probe["trained_fraction"][str(i)] for i in range(1, 6)]
+    assert len(set(fractions)) == 5  # a value from another iteration would not match
+    assert [t / p for p, t in zip(tokens, trained)] == pytest.approx(fractions)
+
+
+@pytest.mark.slow
+def test_zero3_counts_the_whole_model(tmp_path, tiny_config):
+    """ZeRO-3 has partitioned the parameters by before_train; they count at full size."""
+    pytest.importorskip("deepspeed")
+    _, plain = throughput_run(tiny_config, tmp_path)
+    _, zero3 = throughput_run(tiny_config, tmp_path, deepspeed="zero3")
+    assert zero3["params"] == plain["params"] > 0

@@ -43,7 +43,13 @@ def cut_at_stop_words(text: str, stop_words: list[str]) -> str:
 
 @BUILDER.register_module()
 class EvaluateChatHook(Hook):
-    """XTuner's arguments; ``stop_word`` (one string) is accepted too."""
+    """XTuner's arguments; ``stop_word`` (one string) is accepted too.
+
+    ``generation_kwargs`` go to ``generate`` over the hook's defaults (greedy,
+    ``max_new_tokens``, end at EOS or a stop word that is one token, the KV
+    cache, ``synced_gpus`` under ZeRO-3): a key given there wins, so
+    ``generation_kwargs=dict(max_new_tokens=5)`` beats ``max_new_tokens=600``.
+    """
 
     priority = "LOW"
 
@@ -57,9 +63,18 @@ class EvaluateChatHook(Hook):
         self.system = system or ""
         self.prompt_template = prompt_template
         self.every_n_iters = every_n_iters
-        self.max_new_tokens = max_new_tokens
         self.stop_words = _template_stop_words(prompt_template) + list(stop_words) + ([stop_word] if stop_word else [])
-        self.generation_kwargs = dict(do_sample=False, **dict(generation_kwargs))
+        self.generation_kwargs = self._default_generation_kwargs(max_new_tokens)
+        self.generation_kwargs.update(generation_kwargs)
+        self._generated_at = None  # the iteration generated for last
+
+    def _default_generation_kwargs(self, max_new_tokens: int) -> dict:
+        tokenizer = self.tokenizer
+        eos = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(
+            [w for w in self.stop_words if w in tokenizer.get_vocab()])
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(set(eos)),
+                    pad_token_id=pad, use_cache=True)
 
     def before_train(self, runner) -> None:
         self._generate(runner, runner.iter)
@@ -69,7 +84,8 @@ class EvaluateChatHook(Hook):
             self._generate(runner, runner.iter + 1)
 
     def after_train(self, runner) -> None:
-        self._generate(runner, runner.iter)
+        if self._generated_at != runner.iter:  # the last iteration was a multiple of every_n_iters
+            self._generate(runner, runner.iter)
 
     # -- generation -------------------------------------------------------
 
@@ -91,6 +107,7 @@ class EvaluateChatHook(Hook):
             records = [self._answer(model, runner, text, iteration) for text in self.evaluation_inputs]
         finally:
             model.train(was_training)
+        self._generated_at = iteration
         if is_main_process():
             self._write(runner, iteration, records)
 
@@ -100,13 +117,9 @@ class EvaluateChatHook(Hook):
         ids = self.prompt_ids(text)
         device = next(model.parameters()).device
         input_ids = torch.tensor([ids], device=device)  # [1, prompt_len]
-        eos = [self.tokenizer.eos_token_id] + self.tokenizer.convert_tokens_to_ids(
-            [w for w in self.stop_words if w in self.tokenizer.get_vocab()])
+        kwargs = {"synced_gpus": _zero3(runner.model), **self.generation_kwargs}
         with torch.no_grad():
-            out = model.llm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                     max_new_tokens=self.max_new_tokens, eos_token_id=sorted(set(eos)),
-                                     pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                                     use_cache=True, synced_gpus=_zero3(runner.model), **self.generation_kwargs)
+            out = model.llm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         answer = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
         return {"iter": iteration, "input": text, "prompt": self.tokenizer.decode(ids),
                 "output": cut_at_stop_words(answer, self.stop_words + [self.tokenizer.eos_token or ""])}

@@ -3,14 +3,22 @@ on GPUs also achieved TFLOP/s and MFU.
 
 ``tokens`` counts every position the model processes in a micro-batch
 (padding included: it costs compute); ``trained`` counts positions with a
-label. FLOPs use the usual dense estimate ``6 x parameters x tokens`` (forward
-+ backward), plus ``2 x parameters x tokens`` with activation checkpointing
-(the recomputed forward); MFU divides by the device's peak dense bf16/fp16
-TFLOP/s (``peak_tflops``, or looked up from the device name).
+label. Each logged value covers the last ``interval`` iterations (the
+LoggerHook's, so normally those since the previous log line): their tokens
+over their summed time, so a window that mixes accumulation iterations with
+optimizer steps reports their average, not whichever iteration the log line
+falls on. FLOPs use the usual dense estimate ``6 x parameters x tokens``
+(forward + backward), plus ``2 x parameters x tokens`` with activation
+checkpointing (the recomputed forward); parameters are counted at their
+logical size (``logical_numel``: 4-bit and ZeRO-3-partitioned weights at
+full size). MFU divides by the device's peak dense bf16/fp16 TFLOP/s
+(``peak_tflops``, or looked up from the device name).
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 
 from mmengine.hooks import Hook
 
@@ -29,21 +37,42 @@ def peak_tflops_of(device_name: str) -> float | None:
     return None
 
 
+def logical_numel(param) -> int:
+    """Elements ``param`` stands for in the model's matmuls, whatever its storage.
+
+    A bitsandbytes 4-bit weight packs two values per byte (a ``[64, 64]`` weight
+    is stored as ``[2048, 1]`` uint8) and keeps its shape in ``quant_state``;
+    under DeepSpeed ZeRO-3 a partitioned parameter is empty (``numel() == 0``)
+    and keeps its full size in ``ds_numel``.
+    """
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(shape)
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
 @BUILDER.register_module()
 class ThroughputHook(Hook):
-    priority = "BELOW_NORMAL"
+    # Above mmengine's LoggerHook (BELOW_NORMAL): the logger reads the message hub
+    # in its own after_train_iter, so this iteration's values must be there first.
+    priority = "NORMAL"
 
     def __init__(self, peak_tflops: float | None = None):
         self.peak_tflops = peak_tflops
+        self.params = None  # counted for the FLOPs at before_train
         self._start = None
-        self._params = None
+        self._window = deque(maxlen=1)  # (tokens, trained, seconds) of the last `interval` iterations
 
     def before_train(self, runner) -> None:
+        from mmengine.hooks import LoggerHook
+
         from sfttool.engine.runner import unwrap_model
 
         import torch
         model = unwrap_model(runner.model)
-        self._params = sum(p.numel() for p in model.parameters())
+        self.params = sum(logical_numel(p) for p in model.parameters())
+        interval = [h.interval for h in runner.hooks if isinstance(h, LoggerHook)]
+        self._window = deque(maxlen=max(interval[0] if interval else 1, 1))
         llm = getattr(model, "llm", None)
         base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm  # under peft
         # transformers 5 renamed the flag (the old name warns)
@@ -67,13 +96,13 @@ class ThroughputHook(Hook):
             torch.cuda.synchronize()
         seconds = max(time.perf_counter() - self._start, 1e-9)
         data = data_batch["data"]
-        tokens = data["input_ids"].numel()
-        trained = int((data["labels"] != -100).sum())
+        self._window.append((data["input_ids"].numel(), int((data["labels"] != -100).sum()), seconds))
+        tokens, trained, seconds = (sum(column) for column in zip(*self._window))
         hub = runner.message_hub
         hub.update_scalar("train/tokens_per_sec", tokens / seconds)
         hub.update_scalar("train/trained_tokens_per_sec", trained / seconds)
         if torch.cuda.is_available():
-            flops = (8 if self._recompute else 6) * self._params * tokens
+            flops = (8 if self._recompute else 6) * self.params * tokens
             tflops = flops / seconds / 1e12
             hub.update_scalar("train/tflops", tflops)
             if self.peak_tflops:
