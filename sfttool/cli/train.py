@@ -53,6 +53,9 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
             raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
         from sfttool.engine.train import check_work_dir, resolve_resume, resolve_work_dir
 
+        if deepspeed:  # a DeepSpeed JSON that does not fit fails here, once, not once per rank
+            from sfttool.engine.deepspeed import deepspeed_config
+            deepspeed_config(deepspeed, cfg, world_size=plan.world_size)
         run_dir = resolve_work_dir(cfg, work_dir)  # the workers check it too; a refusal then says it once
         check_work_dir(run_dir, resume)
         resolve_resume(resume, run_dir, deepspeed)

@@ -145,7 +145,8 @@ def fill_auto(ds: dict, cfg: Any, preset: Path, on_gpu: bool, bf16_ok: bool = Tr
     _fill(ds, "train_micro_batch_size_per_gpu", micro, "train_dataloader.batch_size", errors)
     _fill(ds, "gradient_accumulation_steps", accum, "optim_wrapper.accumulative_counts", errors)
     _fill(ds, "train_batch_size", micro * accum * world_size,
-          f"train_dataloader.batch_size × optim_wrapper.accumulative_counts × {world_size} processes", errors)
+          f"train_dataloader.batch_size × optim_wrapper.accumulative_counts × {world_size} "
+          f"process{'es' if world_size != 1 else ''}", errors)
     clip = _clip_norm(ow, errors)
     if clip is not None:
         _fill(ds, "gradient_clipping", clip, "optim_wrapper.clip_grad.max_norm", errors)
@@ -157,8 +158,9 @@ def fill_auto(ds: dict, cfg: Any, preset: Path, on_gpu: bool, bf16_ok: bool = Tr
     return ds
 
 
-def deepspeed_config(name_or_path: str, cfg: Any) -> dict:
-    """Load a preset (or JSON file) and fill it from ``cfg``."""
+def deepspeed_config(name_or_path: str, cfg: Any, world_size: int | None = None) -> dict:
+    """Load a preset (or JSON file) and fill it from ``cfg`` for ``world_size`` processes (default: this
+    run's, from ``WORLD_SIZE``; the launcher passes the planned one to check the file before starting)."""
     import torch
 
     preset = find_preset(name_or_path)
@@ -168,7 +170,8 @@ def deepspeed_config(name_or_path: str, cfg: Any) -> dict:
         raise ConfigError(f"{preset}: not valid JSON ({exc})") from None
     on_gpu = torch.cuda.is_available()
     bf16_ok = on_gpu and torch.cuda.is_bf16_supported()
-    world_size = int(os.environ.get("WORLD_SIZE") or 1)  # torchrun sets it in every worker
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE") or 1)  # torchrun sets it in every worker
     return fill_auto(ds, cfg, preset, on_gpu, bf16_ok, world_size)
 
 

@@ -36,6 +36,10 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     remote_code_policy(cfg, trust_remote_code)
+    if deepspeed:  # before the work dir is made: a DeepSpeed JSON that does not fit leaves nothing behind
+        from sfttool.engine.deepspeed import deepspeed_config
+        deepspeed_config(deepspeed, cfg)
+        compat.limit_cpu_threads()
     work_dir = resolve_work_dir(cfg, work_dir)
     check_work_dir(work_dir, resume)  # fail now, not at the first checkpoint hours later
     misaligned = checkpoint_interval_warning(cfg)
@@ -46,10 +50,6 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         apply_seed(cfg, seed)
     seed = _seed(cfg, seed)
     resume_from = resolve_resume(resume, work_dir, deepspeed)  # a bad --resume fails before any building
-    if deepspeed:
-        from sfttool.engine.deepspeed import deepspeed_config
-        deepspeed_config(deepspeed, cfg)
-        compat.limit_cpu_threads()
     from sfttool.engine.hooks.preemption_hook import TrainingPreempted
 
     with one_process_rank_env(deepspeed is not None):

@@ -185,6 +185,23 @@ def test_unknown_deepspeed_preset_is_a_one_line_error(tmp_path, tiny_cfg):
     assert "no such preset" in result.output and "zero2_offload" in result.output
 
 
+def test_a_deepspeed_json_that_does_not_fit_fails_before_launching_and_before_the_work_dir(tmp_path, tiny_cfg):
+    """Checked by the launcher for the planned process count (once, not once per rank), and in a worker
+    before the work dir is made."""
+    import json
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 3, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}))
+    for extra in (["--nproc-per-node", "2"], []):
+        work = tmp_path / f"w{len(extra)}"
+        result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--deepspeed", str(ds),
+                                          *extra], env={"LOCAL_RANK": None, "WORLD_SIZE": None})
+        assert result.exit_code == 1, result.output
+        assert "train_batch_size" in result.output and "torchrun" not in result.output
+        assert ("× 2 processes" if extra else "× 1 process") in result.output
+        assert not work.exists()
+
+
 def test_worker_command_line(monkeypatch):
     from sfttool.cli.train import _worker_args
     from sfttool.engine.launch import plan_from_env, torchrun_command
