@@ -79,13 +79,13 @@ def iter_json_rows(path: str | Path, field: str | None = None) -> Iterator[tuple
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     with _open_binary(path) as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(_BOM).lstrip()
     if field is not None or head.startswith(b"["):
         yield from _iter_json_document(path, field)
         return
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, 1):
-            line = _decode(raw, path, f"line {line_no}")
+            line = _decode(raw.removeprefix(_BOM) if line_no == 1 else raw, path, f"line {line_no}")
             if not line.strip():
                 continue
             try:
@@ -99,6 +99,9 @@ def iter_json_rows(path: str | Path, field: str | None = None) -> Iterator[tuple
             if "\\ud" in line.lower():
                 _check_surrogates(row, path, f"line {line_no}")
             yield f"line {line_no}", row
+
+
+_BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; datasets reads such files
 
 
 def _decode(raw: bytes, path: Path, location: str) -> str:
@@ -120,11 +123,14 @@ def _check_surrogates(row: Any, path: Path, location: str) -> None:
 
 def _iter_json_document(path: Path, field: str | None) -> Iterator[tuple[str, Any]]:
     with _open_binary(path) as f:
-        text = _decode(f.read(), path, "somewhere")
+        text = _decode(f.read().removeprefix(_BOM), path, "somewhere")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if exc.msg != "Extra data" or field is not None:
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        yield from _iter_json_values(text, path)  # several JSON values one after another, as datasets reads
+        return
     if field is not None:
         if not isinstance(data, dict) or field not in data:
             raise DatasetError(f"{path}: no top-level field {field!r} (load_dataset(..., field={field!r}))")
@@ -139,15 +145,35 @@ def _iter_json_document(path: Path, field: str | None) -> Iterator[tuple[str, An
         yield f"row {i}", row
 
 
+def _iter_json_values(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """Rows of a file holding JSON values one after another (pretty-printed objects), each named by
+    the line it starts on."""
+    decoder = json.JSONDecoder()
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            return
+        line = text.count("\n", 0, pos) + 1
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        yield f"line {line}", row
+
+
 def check_json_file(path: str | Path, standard: bool | None = None, field: str | None = None) -> int:
     """Validate every row of a JSON/JSONL file; return the row count.
 
     Rows must be objects whose fields, nested ones included, keep one type
-    across rows (Arrow needs that). Rows with a ``conversation`` (or all rows
-    when ``standard``) are validated against the standard schema.
+    across rows where the pipeline needs that (see ``_typed_fields``). Rows
+    with a ``conversation`` (or all rows when ``standard``) are validated
+    against the standard schema. A file without rows is an error.
     """
     from sfttool.dataset.encode import check_conversation
     kinds: dict[str, tuple[str, str]] = {}
+    typed = _typed_fields()
     count = 0
     for location, row in iter_json_rows(path, field):
         count += 1
@@ -158,14 +184,27 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
             raise DatasetError(f"{path}, {here}: expected a JSON object, got {type(row).__name__}")
         if standard or (standard is None and "conversation" in row):
             check_conversation(row.get("conversation"), source=f"{path}, {here}")
-        for name, kind in _field_kinds(row):
+        for name, kind in _field_kinds(row if typed is None else {k: row[k] for k in typed if k in row}):
             first = kinds.setdefault(name, (kind, location))
             if kind != "null" and first[0] != "null" and kind != first[0]:
                 raise DatasetError(f"{path}, {here}, field {name!r}: a {kind} here but a {first[0]} "
                                    f"at {first[1]}; every row must use the same type per field")
             if first[0] == "null" and kind != "null":
                 kinds[name] = (kind, location)
+    if count == 0:
+        raise DatasetError(f"{path}: the file holds no rows")
     return count
+
+
+def _typed_fields() -> tuple[str, ...] | None:
+    """The top-level fields whose types must agree across rows, or None for all of them.
+
+    datasets 5 loads a field whose type changes between rows as ``Json``, and the
+    pipeline carries such columns along untouched; but the stages rewrite
+    ``conversation`` through Arrow, which needs one type per turn field. Older
+    datasets versions fail on any such field while loading."""
+    import datasets
+    return ("conversation",) if hasattr(datasets, "Json") else None
 
 
 def _field_kinds(value: dict, prefix: str = "") -> Iterator[tuple[str, str]]:

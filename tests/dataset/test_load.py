@@ -27,8 +27,9 @@ def test_good_jsonl_loads(tmp_path):
 @pytest.mark.parametrize("lines, message", [
     ([json.dumps(GOOD), '{"conversation": [', json.dumps(GOOD)], r"d.jsonl, line 2: invalid JSON"),
     ([json.dumps(GOOD), "[1, 2]"], r"d.jsonl, line 2 \(row 1\): expected a JSON object, got list"),
-    ([json.dumps({"a": "x"}), json.dumps({"a": 3})],
-     r"d.jsonl, line 2 \(row 1\), field 'a': a number here but a string at line 1"),
+    ([json.dumps({"conversation": [{"input": "q", "output": "a", "score": "x"}]}),
+      json.dumps({"conversation": [{"input": "q", "output": "a", "score": 3}]})],
+     r"d.jsonl, line 2 \(row 1\), field 'conversation\[\].score': a number here but a string at line 1"),
     ([json.dumps(GOOD), "", json.dumps({"conversation": [{"input": "q", "output": 5}]})],
      r"d.jsonl, line 3 \(row 1\), field 'conversation\[0\].output': expected a string, got an int"),
     ([json.dumps({"conversation": [{"input": "q"}]})],
@@ -128,16 +129,41 @@ def test_glob_data_files_are_checked(tmp_path):
     assert local_json_files("csv", str(tmp_path / "parts" / "a.jsonl")) == []
 
 
-def test_nested_field_types_must_agree_across_rows(tmp_path):
+def test_field_types_must_agree_inside_conversation_only(tmp_path):
+    """The stages rewrite `conversation` through Arrow, which needs one type per turn field; other columns
+    whose type changes load as datasets' Json and pass through untouched (checked: they train)."""
     rows = [{"conversation": [{"input": "q", "output": "a", "score": 1}]},
             {"conversation": [{"input": "q", "output": "a", "score": "high"}]}]
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
-    with pytest.raises(DatasetError, match=r"d.jsonl, line 2 \(row 1\), field 'conversation\[\].score': a string here "
-                                           r"but a number at line 1"):
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2 \(row 1\), field 'conversation\[\].score': a string "
+                                           r"here but a number at line 1"):
         check_json_file(path)
-    write_lines(path, [json.dumps({"tags": ["a", 1]})])
-    with pytest.raises(DatasetError, match=r"line 1 \(row 0\), field 'tags\[\]': a number here but a string at line 1"):
-        check_json_file(path)
+    loose = [{**GOOD, "meta": 1, "tags": []}, {**GOOD, "meta": "x", "tags": [1, "y"]}]
+    write_lines(path, [json.dumps(r) for r in loose])
+    assert check_json_file(path) == 2
+    assert len(load_dataset("json", data_files=str(path), split="train")) == 2
+
+
+def test_files_datasets_reads_are_read(tmp_path):
+    """A UTF-8 BOM (Windows editors), pretty-printed objects one after another."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\n").encode() * 2)
+    bom_array = tmp_path / "bom.json"
+    bom_array.write_bytes(b"\xef\xbb\xbf" + json.dumps([GOOD] * 3).encode())
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text(json.dumps(GOOD, indent=2) + "\n" + json.dumps(GOOD, indent=2) + "\n")
+    for path, n in ((bom, 2), (bom_array, 3), (pretty, 2)):
+        assert check_json_file(path) == n
+        assert len(load_dataset("json", data_files=str(path), split="train")) == n  # datasets agrees
+
+
+def test_an_empty_file_and_an_array_on_the_first_line(tmp_path):
+    empty = write_lines(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(DatasetError, match=r"empty.jsonl: the file holds no rows"):
+        check_json_file(empty)
+    array_first = write_lines(tmp_path / "a.jsonl", ["[1, 2]", json.dumps(GOOD)])
+    with pytest.raises(DatasetError, match=r"a.jsonl, line 1 \(row 0\): expected a JSON object, got list"):
+        check_json_file(array_first)
 
 
 @pytest.mark.parametrize("turn, message", [
