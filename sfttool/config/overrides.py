@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import logging
 from pathlib import Path
 from typing import Iterable
 
@@ -20,7 +21,12 @@ from typing import Iterable
 READ_KEYS = frozenset({
     "model", "tokenizer", "train_dataloader", "train_dataset", "optim_wrapper", "param_scheduler", "train_cfg",
     "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness", "seed",
-    "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters"})
+    "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters",
+    "experiment_name"})
+
+# Copied into the dicts training builds, but also read directly by a tool (convert saves `tokenizer`
+# beside the weights): an override is allowed, with a warning naming the copies training uses.
+READ_BY_TOOLS = frozenset({"tokenizer"})
 
 
 class OverrideError(ValueError):
@@ -56,8 +62,13 @@ def check_overrides(cfg, overrides: dict, path: Path) -> None:
             raise OverrideError(f"{path}: --cfg-options {key}: the config has no setting `{root}`{hint}; "
                                 "a new name would be read by nothing")
         targets = [f"{target}.{rest}" if rest else target for target in copies.get(root, [])]
-        if targets:
-            shown = ", ".join(targets[:6]) + (f" and {len(targets) - 6} more" if len(targets) > 6 else "")
+        shown = ", ".join(targets[:6]) + (f" and {len(targets) - 6} more" if len(targets) > 6 else "")
+        if targets and root in READ_BY_TOOLS:
+            from mmengine.logging import print_log
+            print_log(f"--cfg-options {key}: the tools (convert) read `{root}` itself, but training uses the "
+                      f"copies the config made of it; to change training, override {shown}",
+                      logger="current", level=logging.WARNING)
+        elif targets:
             raise OverrideError(
                 f"{path}: --cfg-options {key}: the config copied `{root}` into the dicts it builds, so changing "
                 f"it alone has no effect; override where it was copied instead: {shown}")

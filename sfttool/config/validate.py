@@ -130,10 +130,14 @@ def _accepted(fn: Any) -> set[str] | None:
     from mmengine.runner import Runner
     names: set[str] = set()
     if isinstance(fn, type):
-        targets = [cls.__dict__["__init__"] for cls in fn.__mro__ if "__init__" in cls.__dict__ and cls is not object]
-        if issubclass(fn, CheckpointHook):
-            # CheckpointHook keeps unknown keywords and hands them to Runner.save_checkpoint at each save.
-            targets = [fn.__init__, Runner.save_checkpoint]
+        targets = []
+        for cls in fn.__mro__:
+            if "__init__" in cls.__dict__ and cls is not object:
+                targets.append(cls.__dict__["__init__"])
+            if cls is CheckpointHook:
+                # CheckpointHook keeps unknown keywords and hands them to Runner.save_checkpoint at each save.
+                targets.append(Runner.save_checkpoint)
+                break
     else:
         targets = [fn]
     for target in targets:
@@ -144,4 +148,4 @@ def _accepted(fn: Any) -> set[str] | None:
         names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if not any(p.kind == p.VAR_KEYWORD for p in parameters):
             return names
-    return names if isinstance(fn, type) and issubclass(fn, CheckpointHook) else None
+    return None

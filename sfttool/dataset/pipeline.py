@@ -86,8 +86,9 @@ def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None):
     return dataset.map(safe, with_indices=True, num_proc=num_proc, desc=f"Map fn {safe.name}")
 
 
-def apply_template(dataset, template_map_fn: Callable, num_proc: int):
-    return dataset.map(template_map_fn, num_proc=num_proc, desc="Applying the prompt template")
+def apply_template(dataset, template_map_fn: Callable, num_proc: int, source: str | None):
+    safe = SafeMapFn(template_map_fn, source, role="template_map_fn")
+    return dataset.map(safe, with_indices=True, num_proc=num_proc, desc="Applying the prompt template")
 
 
 def require_conversation(dataset) -> None:
@@ -264,7 +265,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
         require_conversation(dataset)  # before the template map fn, which would see no conversation
     if template_map_fn is not None:
-        dataset = apply_template(dataset, template_map_fn, num_proc)
+        dataset = apply_template(dataset, template_map_fn, num_proc, source)
         stage("template", dataset)
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)

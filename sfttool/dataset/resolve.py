@@ -95,10 +95,11 @@ def _user_value_error(fn: Callable, *args: Any) -> Any:
 
 
 class SafeMapFn:
-    """Wrap a dataset map fn so a failing row is reported with its index and the fn's name."""
+    """Wrap a map fn (``role``: the config key it came from) so a failing row is reported with its index
+    and the fn's name; the fn sees the row without sfttool's row-number column."""
 
-    def __init__(self, fn: Callable, source: str | None = None):
-        self.fn, self.source = fn, source
+    def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn"):
+        self.fn, self.source, self.role = fn, source, role
         self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
 
     def __call__(self, row: dict, index: int) -> dict:
@@ -109,7 +110,7 @@ class SafeMapFn:
             return self.fn(row)
         except Exception as exc:  # a user fn may raise anything: report where
             where = f"{self.source}, row {index}" if self.source else f"row {index}"
-            raise DatasetError(f"{where}: dataset_map_fn {self.name} failed: {type(exc).__name__}: {exc}") from None
+            raise DatasetError(f"{where}: {self.role} {self.name} failed: {type(exc).__name__}: {exc}") from None
 
 
 def source_name(dataset_cfg: Any) -> str | None:

@@ -243,3 +243,29 @@ def test_misspelt_arguments_of_what_the_runner_builds_are_reported_before_traini
         "c.py: train_cfg.max_itrs: TrainLoop takes no argument `max_itrs` (did you mean max_iters?)"])
     # Names the checkpoint hook hands to Runner.save_checkpoint are accepted.
     assert validate_config(load_config(name, ["default_hooks.checkpoint.save_optimizer=False"]), "c.py") == []
+
+
+def test_a_checkpoint_hook_subclass_takes_its_own_and_checkpoint_hooks_arguments():
+    from mmengine.hooks import CheckpointHook
+
+    from sfttool.config.validate import check_arguments
+
+    class UploadingCheckpointHook(CheckpointHook):
+        def __init__(self, upload_to=None, **kwargs):
+            super().__init__(**kwargs)
+
+    good = dict(type=UploadingCheckpointHook, upload_to="s3://x", interval=512, max_keep_ckpts=2, save_optimizer=True)
+    assert check_arguments({"default_hooks": {"checkpoint": good}}, "c.py") == []
+    bad = dict(good, intrval=3)
+    assert check_arguments({"default_hooks": {"checkpoint": bad}}, "c.py") == [
+        "c.py: default_hooks.checkpoint.intrval: UploadingCheckpointHook takes no argument `intrval` (did you mean "
+        "interval?)"]
+
+
+def test_keys_read_by_the_runner_or_the_tools_may_be_overridden():
+    """experiment_name is read by the train entry; tokenizer by convert (training uses its copies, so the
+    override is allowed with a warning naming them)."""
+    name = "demo_smollm2_135m_lora_self_identity_e3"
+    assert load_config(name, ["experiment_name='mine'"]).experiment_name == "mine"
+    cfg = load_config(name, ["tokenizer.padding_side='left'"])
+    assert cfg.tokenizer.padding_side == "left"

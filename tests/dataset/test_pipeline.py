@@ -244,6 +244,27 @@ def test_cache_reused_and_keyed(tmp_path, tiny_tokenizer):
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 5
 
 
+def load_saved_rows(dataset_path):
+    """A custom loader: its config (a folder path) says nothing about what the folder holds."""
+    from datasets import load_from_disk
+    return load_from_disk(dataset_path)
+
+
+def test_cache_follows_the_content_of_a_dataset_its_config_does_not_describe(tmp_path, tiny_tokenizer):
+    from sfttool.registry import build
+    saved = tmp_path / "saved"
+    cfg = dict(type=process_hf_dataset, dataset=dict(type=load_saved_rows, dataset_path=str(saved)),
+               tokenizer=tiny_tokenizer, max_length=128, cache_dir=str(tmp_path / "cache"),
+               template_map_fn=dict(type=template_map_fn_factory, template="qwen_chat"))
+    Dataset.from_list(assets.tiny_conversations(3, seed=1)).save_to_disk(str(saved))
+    first = build(cfg)
+    assert sum(len(r) for r in first["sample_lengths"]) == 3
+    Dataset.from_list(assets.tiny_conversations(5, seed=2)).save_to_disk(str(saved))  # same path, new rows
+    second = build(cfg)
+    assert sum(len(r) for r in second["sample_lengths"]) == 5
+    assert len([p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]) == 2
+
+
 def test_cache_key_changes_with_tokenizer(tiny_tokenizer, tiny_tokenizer_bos):
     from sfttool.dataset.cache import cache_key
     args = dict(dataset=None, max_length=8)
@@ -373,6 +394,24 @@ def test_errors_name_the_loaded_row_after_max_dataset_length(tiny_tokenizer):
     ds = Dataset.from_list(data)
     with pytest.raises(DatasetError, match=r"^row 7, field 'conversation\[0\].output'"):
         run(ds, tiny_tokenizer, template_map_fn=None, max_dataset_length=9, seed=1)
+
+
+def my_template_map_fn(row):
+    """A user's template fn (module level: datasets may run a copy of it)."""
+    from sfttool.dataset.errors import ROW_COLUMN
+    if ROW_COLUMN in row:
+        raise AssertionError("sfttool's row-number column reached the template fn")
+    if row["conversation"][0]["input"] == "bad":
+        raise ValueError("no template for this")
+    return {"conversation": [dict(t, output=t["output"] + "<|im_end|>") for t in row["conversation"]]}
+
+
+def test_a_custom_template_fn_sees_the_rows_as_loaded_and_its_failure_is_named(tiny_tokenizer):
+    data = [{"conversation": [{"input": "q", "output": "a"}], "meta": 1}]
+    assert len(run(data, tiny_tokenizer, template_map_fn=my_template_map_fn, pack_to_max_length=False)) == 1
+    data.append({"conversation": [{"input": "bad", "output": "a"}], "meta": 2})
+    with pytest.raises(DatasetError, match=r"^row 1: template_map_fn my_template_map_fn failed: ValueError: no template"):
+        run(data, tiny_tokenizer, template_map_fn=my_template_map_fn)
 
 
 def test_row_numbers_stay_out_of_the_rows(tiny_tokenizer):
