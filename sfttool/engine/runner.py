@@ -77,6 +77,11 @@ class _ResumableBatches:
             next(self)
         self._resuming_at = None
 
+    @property
+    def batches_into_epoch(self) -> int:
+        """Batches the current pass has given so far."""
+        return self._batches
+
     def _epoch_iterator(self) -> Iterator:
         sampler = getattr(self.dataloader, "sampler", None)
         # A stream (sfttool.dataset.streaming) orders itself by epoch, as a sampler does.
@@ -199,8 +204,9 @@ class TrainLoop(IterBasedTrainLoop):
         if self._iter > 0:
             restore_rng_state(self.runner)
         if self._iter > 0:
+            # The batches the skip took from the current pass (a stream's pass may be shorter than the length).
             print_log(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
-                      f"batch {self._iter % self.iters_per_epoch} of {self.iters_per_epoch})",
+                      f"batch {self.dataloader_iterator.batches_into_epoch} of {self.iters_per_epoch})",
                       logger="current", level=logging.INFO)
         while self._iter < self._max_iters and not self.stop_training:
             self.runner.model.train()

@@ -146,7 +146,7 @@ def test_rerunning_into_a_work_dir_with_checkpoints_is_refused_and_resume_checks
     assert resumed.exit_code == 0, resumed.output
     out, err = capfd.readouterr()
     run_log = "".join(p.read_text() for p in (tmp_path / "cont").rglob("*.log"))  # the resumed run's own log
-    assert "Resuming at iteration 4" in run_log
+    assert "Resuming at iteration 4 (epoch 0, batch 4 of 40)" in run_log
     assert "do not match" not in resumed.output + out + err + run_log  # no list of the frozen base weights
 
 

@@ -302,7 +302,7 @@ def test_a_resume_past_the_end_of_a_short_pass_goes_on_into_the_next(conversatio
                                    "batch only when they agree"]
     loop_log.clear()
     resumed = _ResumableBatches(loader(), start_iter=rows + 2)  # epoch 0 by the length, epoch 1 of the stream
-    assert resumed.epoch == 1
+    assert (resumed.epoch, resumed.batches_into_epoch) == (1, 2)  # what the "Resuming at" line reports
     assert ids_of(next(resumed) for _ in range(rows - 2)) == run[rows + 2:]
     assert loop_log == [mismatch + f"; resuming at iteration {rows + 2}, the skip went on into epoch 1: "
                                    "a resume lands on the exact batch only when they agree"]
