@@ -99,18 +99,6 @@ def data_files_digest(dataset_cfg: Any) -> list:
     return out
 
 
-def _hashed_from_files(dataset_cfg: Any) -> bool:
-    """Whether the cache key covers what ``dataset_cfg`` holds by hashing local files:
-    ``load_dataset('json', data_files=...)`` on local files."""
-    from sfttool.dataset.load import local_json_files
-    if not (isinstance(dataset_cfg, dict) and "type" in dataset_cfg):
-        return False
-    type_ = dataset_cfg["type"]
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    return (name.rsplit(".", 1)[-1] == "load_dataset"
-            and bool(local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files"))))
-
-
 def _pipeline_code_digest() -> str:
     from sfttool.dataset import encode, pack, pipeline, resolve
     text = "".join(inspect.getsource(m) for m in (encode, pack, pipeline, resolve))
@@ -136,10 +124,11 @@ def cached_pipeline(cache_dir: str | os.PathLike, args: dict):
     from sfttool.dataset.pipeline import PipelineReport, log, log_report, run_pipeline
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     args = {**args, "tokenizer": tokenizer}
-    if not _hashed_from_files(args["dataset"]):
-        # A hub dataset, a custom loader, load_from_disk...: its config does not say what it holds, so build
-        # it and key the cache by its datasets fingerprint, which follows its content.
-        from sfttool.dataset.resolve import resolve_dataset, source_name
+    from sfttool.dataset.resolve import json_source_files, resolve_dataset, source_name
+    if not json_source_files(args["dataset"]):
+        # A hub dataset, a custom loader, load_from_disk...: its config does not say what it holds (local
+        # JSON files are hashed by data_files_digest), so build it and key the cache by its datasets
+        # fingerprint, which follows its content.
         args["source"] = args.get("source") or source_name(args["dataset"])
         args["dataset"] = resolve_dataset(args["dataset"], args.get("split", "train"))
     target = Path(cache_dir).expanduser() / cache_key(args, tokenizer)

@@ -60,11 +60,11 @@ def local_json_files(path: Any, data_files: Any) -> list[str]:
     files = expand_data_files(data_files)
     if not files or not all(Path(f).is_file() for f in files):
         return []  # missing files and folders: datasets reports those itself
-    return [f for f in files if Path(f).suffix.lower() in _OPENERS or _plain(f)]
+    return [f for f in files if Path(f).suffix.lower() not in _UNOPENED]
 
 
-def _plain(path: str) -> bool:
-    return Path(path).suffix.lower() not in (".zst", ".zip", ".lz4", ".tar")
+# Archives and compressions datasets reads but the standard library does not: left to datasets.
+_UNOPENED = (".zst", ".zip", ".lz4", ".tar")
 
 
 def _open_binary(path: Path):

@@ -35,17 +35,24 @@ def resolve_dataset(dataset: Any, split: str, validate: bool = True):
     return dataset
 
 
-def validate_json_source(dataset_cfg: Any) -> None:
-    """For ``dict(type=load_dataset, path='json', data_files=...)`` on local files, check
-    every line first so a malformed one is reported by file and line, not by Arrow."""
-    from sfttool.dataset.load import check_json_file, local_json_files
+def json_source_files(dataset_cfg: Any) -> list[str]:
+    """The local JSON files a ``dict(type=load_dataset, path='json', data_files=...)`` config reads;
+    [] for any other dataset (the hub, a custom loader, a built dataset)."""
+    from sfttool.dataset.load import local_json_files
     if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
-        return
+        return []
     type_ = dataset_cfg["type"]
     name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
     if name.rsplit(".", 1)[-1] != "load_dataset":
-        return
-    for file in local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files")):
+        return []
+    return local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files"))
+
+
+def validate_json_source(dataset_cfg: Any) -> None:
+    """Check every line of the local JSON files a dataset config reads, so a malformed one is
+    reported by file and line, not by Arrow."""
+    from sfttool.dataset.load import check_json_file
+    for file in json_source_files(dataset_cfg):
         check_json_file(file, field=dataset_cfg.get("field"))
 
 
@@ -94,13 +101,18 @@ def _user_value_error(fn: Callable, *args: Any) -> Any:
         raise DatasetError(str(exc)) from None
 
 
+def fn_name(fn: Callable) -> str:
+    """A function's name, a ``functools.partial``'s too."""
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+
+
 class SafeMapFn:
     """Wrap a map fn (``role``: the config key it came from) so a failing row is reported with its index
     and the fn's name; the fn sees the row without sfttool's row-number column."""
 
     def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn"):
         self.fn, self.source, self.role = fn, source, role
-        self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+        self.name = fn_name(fn)
 
     def __call__(self, row: dict, index: int) -> dict:
         if ROW_COLUMN in row:

@@ -22,7 +22,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from sfttool.dataset.encode import check_conversation, encode_batch
 from sfttool.dataset.errors import DatasetError, where
 from sfttool.dataset.pack import best_fit_decreasing
 from sfttool.dataset.pipeline import log
-from sfttool.dataset.resolve import SafeMapFn, dataset_config, source_name
+from sfttool.dataset.resolve import SafeMapFn, dataset_config, fn_name, source_name
 from sfttool.registry import BUILDER, build_if_config
 
 Sample = dict[str, Any]  # {'input_ids': [...], 'labels': [...]}: one encoded conversation
@@ -191,10 +191,6 @@ def log_pass(stats: PassStats, epoch: int, reader: tuple[int, int, int, int], ma
             f"({stats.tokens_cut} tokens cut)", logging.WARNING)
 
 
-def _fn_name(fn: Callable) -> str:
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
-
-
 def _is_empty(conversation: Any) -> bool:
     """Dropped and counted, as process_hf_dataset drops an empty or null conversation."""
     return conversation is None or (isinstance(conversation, list) and not conversation)
@@ -225,7 +221,7 @@ class StreamingEncoder:
         if self.dataset_map_fn is not None:
             mapped = SafeMapFn(self.dataset_map_fn, source)(row, index)
             if not isinstance(mapped, Mapping):
-                raise DatasetError(f"{where(index, source)}: dataset_map_fn {_fn_name(self.dataset_map_fn)} "
+                raise DatasetError(f"{where(index, source)}: dataset_map_fn {fn_name(self.dataset_map_fn)} "
                                    f"returned {type(mapped).__name__}, not a dict")
             row = {**row, **mapped}
         if "conversation" not in row:
@@ -233,11 +229,7 @@ class StreamingEncoder:
         if self.template_map_fn is not None:
             if not _is_empty(row["conversation"]):  # a bad turn would fail in the template, unnamed
                 check_conversation(row["conversation"], index, source, need_output=self.input_ids_with_output)
-            try:
-                row = {**row, **self.template_map_fn(row)}
-            except Exception as exc:  # a user's template fn may raise anything: say where
-                raise DatasetError(f"{where(index, source)}: template_map_fn {_fn_name(self.template_map_fn)} "
-                                   f"failed: {type(exc).__name__}: {exc}") from None
+            row = {**row, **SafeMapFn(self.template_map_fn, source, role="template_map_fn")(row, index)}
         return row
 
     def _conversation_hint(self, row: Mapping) -> str:
@@ -245,7 +237,7 @@ class StreamingEncoder:
         if self.dataset_map_fn is None:
             return (f"(fields: {fields}); data that is not in the standard format needs a dataset_map_fn "
                     "(e.g. alpaca_map_fn, sharegpt_map_fn)")
-        return (f"after dataset_map_fn {_fn_name(self.dataset_map_fn)} (fields: {fields}); it must return "
+        return (f"after dataset_map_fn {fn_name(self.dataset_map_fn)} (fields: {fields}); it must return "
                 "{'conversation': [{'input': ..., 'output': ...}]}")
 
     def __call__(self, rows: list[tuple[int, Any]], source: str | None, stats: PassStats) -> list[Sample]:

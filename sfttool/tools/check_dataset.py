@@ -288,17 +288,17 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     """All checks and printouts for one process_hf_dataset node."""
     import inspect
 
-    from sfttool.dataset.load import check_json_file, local_json_files
+    from sfttool.dataset.load import check_json_file
     from sfttool.dataset.pipeline import run_pipeline
-    from sfttool.dataset.resolve import resolve_dataset, resolve_map_fn, source_name, template_of
+    from sfttool.dataset.resolve import (json_source_files, resolve_dataset, resolve_map_fn, source_name,
+                                         template_of)
     from sfttool.registry import build_if_config
     args = pipeline_args(node)
     errors_before = len(findings.errors)
     raw_cfg = args["dataset"]
-    if isinstance(raw_cfg, dict):
-        for file in local_json_files(raw_cfg.get("path"), raw_cfg.get("data_files")):
-            echo(f"Checking every line of {file}")
-            _guard(findings, check_json_file, file, False, raw_cfg.get("field"))
+    for file in json_source_files(raw_cfg):
+        echo(f"Checking every line of {file}")
+        _guard(findings, check_json_file, file, False, raw_cfg.get("field"))
     if len(findings.errors) > errors_before:
         return
     echo("Building the dataset ...")
