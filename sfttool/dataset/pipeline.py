@@ -160,7 +160,11 @@ def to_table(dataset):
 def count_truncated(dataset, report: PipelineReport) -> None:
     """Samples cut at max_length, counted before rows left without labels are dropped."""
     table = dataset.select_columns(["num_tokens", "length"]).with_format("arrow")[:]
-    full, kept = table["num_tokens"].to_numpy(), table["length"].to_numpy()
+    record_truncation(table["num_tokens"].to_numpy(), table["length"].to_numpy(), report)
+
+
+def record_truncation(full: np.ndarray, kept: np.ndarray, report: PipelineReport) -> None:
+    """Samples' lengths before and after the cut at max_length, counted in ``report``."""
     report.encoded = len(full)
     report.truncated = int((full > kept).sum())
     report.tokens_cut = int((full - kept).sum())
@@ -306,13 +310,10 @@ def _pretokenized_table(dataset, max_length: int, report: PipelineReport):
         row = int(np.flatnonzero(lengths != label_lengths)[0])
         raise DatasetError(f"row {row}: {lengths[row]} input_ids but {label_lengths[row]} labels; "
                            "pre-tokenized rows need one label per token")
-    if (lengths > max_length).any():
-        report.encoded, report.truncated = len(lengths), int((lengths > max_length).sum())
-        report.tokens_cut = int((lengths - np.minimum(lengths, max_length)).sum())
-        table = table.set_column(table.column_names.index("input_ids"), "input_ids",
-                                 pc.list_slice(table["input_ids"], 0, max_length))
-        table = table.set_column(table.column_names.index("labels"), "labels",
-                                 pc.list_slice(table["labels"], 0, max_length))
+    record_truncation(lengths, np.minimum(lengths, max_length), report)
+    if report.truncated:
+        for name in ("input_ids", "labels"):
+            table = table.set_column(table.column_names.index(name), name, pc.list_slice(table[name], 0, max_length))
     labels = table["labels"].combine_chunks()
     trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
                           minlength=len(table))
@@ -346,8 +347,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                     max_dataset_length)
     args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
-                dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn, max_dataset_length=max_dataset_length, split=split,
-                remove_unused_columns=remove_unused_columns, rename_maps=list(rename_maps),
+                dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn,
+                max_dataset_length=max_dataset_length, split=split, remove_unused_columns=remove_unused_columns,
+                rename_maps=list(rename_maps),
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source)

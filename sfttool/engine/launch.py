@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass
@@ -39,8 +40,9 @@ def _env_int(name: str, default: int, errors: list) -> int | None:
         return None
 
 
-def _check(name: str, value: int | None, ok: bool, wanted: str, errors: list) -> int | None:
-    if value is not None and not ok:
+def _check(name: str, value: int | None, ok: Callable[[int], bool], wanted: str, errors: list) -> int | None:
+    """``value`` when it is None (already reported) or ``ok(value)``; else None, with an error."""
+    if value is not None and not ok(value):
         errors.append(f"environment variable {name}={os.environ[name]!r}: expected {wanted}")
         return None
     return value
@@ -56,16 +58,15 @@ def plan_from_env(nproc_per_node: int | None = None) -> LaunchPlan:
             errors.append(f"--nproc-per-node must be at least 1, got {nproc}")
     else:
         nproc = _env_int("NPROC_PER_NODE", 1, errors)
-        nproc = _check("NPROC_PER_NODE", nproc, nproc is None or nproc >= 1,
-                       "at least 1 (processes on this machine)", errors)
+        nproc = _check("NPROC_PER_NODE", nproc, lambda n: n >= 1, "at least 1 (processes on this machine)", errors)
     nnodes = _env_int("NNODES", 1, errors)
-    nnodes = _check("NNODES", nnodes, nnodes is None or nnodes >= 1, "at least 1 (machines in the job)", errors)
+    nnodes = _check("NNODES", nnodes, lambda n: n >= 1, "at least 1 (machines in the job)", errors)
     node_rank = _env_int("NODE_RANK", 0, errors)
     if nnodes is not None:  # a rank outside 0 .. NNODES-1 waits forever for the others
-        node_rank = _check("NODE_RANK", node_rank, node_rank is None or 0 <= node_rank < nnodes,
+        node_rank = _check("NODE_RANK", node_rank, lambda r: 0 <= r < nnodes,
                            f"this machine's index among NNODES={nnodes}, from 0 to {nnodes - 1}", errors)
     port = _env_int("PORT", None, errors)
-    port = _check("PORT", port, port is None or 1 <= port <= 65535, "a TCP port from 1 to 65535", errors)
+    port = _check("PORT", port, lambda p: 1 <= p <= 65535, "a TCP port from 1 to 65535", errors)
     addr = os.environ.get("ADDR") or None
     # A worker's launcher (torchrun, maybe the user's own) already has the address.
     if nnodes is not None and nnodes > 1 and addr is None and not inside_launcher():

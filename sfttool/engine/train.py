@@ -126,10 +126,15 @@ def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
         warnings.warn(remote_code_warning(allowed), stacklevel=2)
 
 
+def accumulative_counts(cfg: Any) -> int:
+    """Iterations per optimizer step."""
+    return (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1
+
+
 def checkpoint_interval_warning(cfg: Any) -> str | None:
     """A warning when periodic checkpoints fall inside an accumulation window: the gradients gathered
     since the last optimizer step are not saved, so a resume from such a checkpoint is not exact."""
-    accumulation = (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1
+    accumulation = accumulative_counts(cfg)
     interval = ((cfg.get("default_hooks") or {}).get("checkpoint") or {}).get("interval")
     if isinstance(interval, int) and isinstance(accumulation, int) and interval % accumulation:
         return (f"default_hooks.checkpoint.interval={interval} is not a multiple of "
@@ -328,7 +333,7 @@ def experiment_name(cfg: Any) -> str:
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,
-                 deepspeed: str | None, resume_from: str | None, name: str | None = None):
+                 deepspeed: str | None, resume_from: str | None, name: str):
     """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None."""
     from sfttool.engine.schedulers import resolve_param_schedulers
 
@@ -342,12 +347,12 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
     common = dict(
         model=model, work_dir=str(work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
         param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, total_iters(loop, per_epoch),
-                                                 (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1),
+                                                 accumulative_counts(cfg)),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=launcher, env_cfg=env_cfg,
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
         visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),
         resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg,
-        experiment_name=name or experiment_name(cfg))
+        experiment_name=name)
     if deepspeed:
         return _deepspeed_runner(cfg, model, deepspeed, common)
     from mmengine.runner import Runner
