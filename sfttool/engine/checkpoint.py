@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
@@ -211,7 +212,10 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
     from sfttool.config import ConfigError
 
     path = Path(path)
-    checkpoint = _load_weights_only(path)
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointReadError as exc:
+        raise ConfigError(f"--resume {exc}") from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ConfigError(f"--resume {path} holds no state dict (not a checkpoint of sfttool train); "
@@ -233,35 +237,62 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
         problems.append(f"tensors of another shape: {len(resized)}, first {k} {saved[k]} in the checkpoint, "
                         f"{own[k]} in the model")
     if problems:
+        config = run_config(path.parent, checkpoint.get("meta")) or f"{path.parent}/<config name>.py"
         raise ConfigError(f"--resume {path} does not fit this model ({'; '.join(problems)}); resume with the "
-                          "config (and --cfg-options) the checkpoint was trained with: "
-                          f"{_trained_config(path, checkpoint.get('meta'))}")
+                          f"config (and --cfg-options) the checkpoint was trained with: {config}")
 
 
-def _load_weights_only(path: Path) -> dict:
-    """The checkpoint as ``--resume`` loads it (``weights_only`` with sfttool's allow-list,
-    ``sfttool.compat.allow_mmengine_checkpoint_globals``); memory-mapped, so the check
-    reads little more than the tensors' headers."""
+class CheckpointReadError(ValueError):
+    """A file torch cannot read as a checkpoint; the message is one line that names it and says why."""
+
+
+def load_checkpoint(path: str | os.PathLike) -> Any:
+    """A checkpoint file as ``--resume`` reads it: ``weights_only`` with sfttool's allow-list
+    (``sfttool.compat.allow_mmengine_checkpoint_globals``), memory-mapped, so reading it costs
+    little more than the tensors' headers until they are used."""
     import torch
 
     from sfttool import compat
 
     compat.allow_mmengine_checkpoint_globals()
+    path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load fails on other files in many ways (KeyError on text, EOFError, ...)
+        raise CheckpointReadError(_unreadable(path, exc)) from None
 
 
-def _trained_config(path: Path, meta) -> str:
-    """The config mmengine dumped beside the checkpoint when it was trained: the
-    ``*.py`` whose text is the checkpoint's ``meta.cfg`` (DeepSpeed also leaves its
-    ``zero_to_fp32.py`` there)."""
+def _unreadable(path: Path, exc: Exception) -> str:
+    """One line for torch.load's failure (its own messages run to several paragraphs)."""
+    if isinstance(exc, OSError):
+        return f"{path}: cannot be read: {exc.strerror or exc}"
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if refused:
+        return (f"{path}: holds objects outside the safe-loading allow-list ({refused.group(1)}); "
+                "it was not written by `sfttool train`, or by a newer version")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    why = ("the file is empty" if not head else
+           "a zip file torch cannot read: truncated or corrupt" if head == b"PK\x03\x04" else
+           "torch.load cannot read it")
+    return (f"{path}: not an sfttool/mmengine checkpoint ({why}); give an iter_<n>.pth file "
+            "or DeepSpeed checkpoint folder from a training work dir")
+
+
+def run_config(work_dir: Path, meta: Any = None) -> Path | None:
+    """The config ``sfttool train`` dumped in ``work_dir`` (it includes the run's --cfg-options):
+    the ``*.py`` whose text is a checkpoint's ``meta['cfg']`` when that is given, else the only
+    one (DeepSpeed also copies its ``zero_to_fp32.py`` / ``zero_to_torch.py`` there); None when
+    it cannot tell."""
+    configs = [p for p in sorted(work_dir.glob("*.py")) if not p.name.startswith("zero_to_")]
     text = meta.get("cfg") if isinstance(meta, dict) else None
-    for candidate in sorted(path.parent.glob("*.py")):
-        if text is not None and candidate.read_text(errors="replace") == text:
-            return str(candidate)
-    return f"{path.parent}/<config name>.py"
+    matching = [p for p in configs if text is not None and p.read_text(errors="replace") == text]
+    if matching:
+        return matching[0]
+    return configs[0] if len(configs) == 1 else None
 
 
 def ignore_frozen_weights_on_load(model) -> None:

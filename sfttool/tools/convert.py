@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from pathlib import Path
 
 from sfttool.tools.merge import SAVED_CONFIG_NAME, dumped_config, output_folder, save_model
@@ -29,38 +28,18 @@ class ConvertError(Exception):
 # Reading checkpoints.
 
 def load_pth_state_dict(path: Path) -> dict:
-    """Weights of an mmengine ``.pth`` (``weights_only`` loading: mmengine's
-    few non-tensor types are allow-listed, nothing else is unpickled)."""
-    import torch
+    """Weights of an mmengine ``.pth``, read as ``--resume`` reads them
+    (``sfttool.engine.checkpoint.load_checkpoint``: nothing outside the allow-list is unpickled)."""
+    from sfttool.engine.checkpoint import CheckpointReadError, load_checkpoint
 
-    from sfttool import compat
-
-    compat.allow_mmengine_checkpoint_globals()
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load fails on other files in many ways (KeyError on text, EOFError, ...)
-        raise _unreadable(path, exc) from None
+        ckpt = load_checkpoint(path)
+    except CheckpointReadError as exc:
+        raise ConvertError(str(exc)) from None
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not state:
         raise ConvertError(f"{path}: no weights found (expected a dict with a 'state_dict' entry)")
     return state
-
-
-def _unreadable(path: Path, exc: Exception) -> ConvertError:
-    """One line for torch.load's failure (its own messages run to several paragraphs)."""
-    if isinstance(exc, OSError):
-        return ConvertError(f"{path}: cannot be read: {exc.strerror or exc}")
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-    if refused:
-        return ConvertError(f"{path}: holds objects outside the safe-loading allow-list ({refused.group(1)}); "
-                            "it was not written by `sfttool train`, or by a newer version")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    why = ("the file is empty" if not head else
-           "a zip file torch cannot read: truncated or corrupt" if head == b"PK\x03\x04" else
-           "torch.load cannot read it")
-    return ConvertError(f"{path}: not an sfttool/mmengine checkpoint ({why}); give an iter_<n>.pth file "
-                        "or DeepSpeed checkpoint folder from a training work dir")
 
 
 def _deepspeed_tag(folder: Path) -> str | None:

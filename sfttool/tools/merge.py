@@ -77,19 +77,17 @@ def _work_dir_fix(work_dir: Path, role: str) -> str:
         return f"pass {adapter}"
     if (model / "config.json").is_file():
         return f"pass {model}"
-    ckpts = sorted(work_dir.glob("iter_*.pth"), key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1)
-    ckpt = ckpts[-1] if ckpts else work_dir / "iter_N.pth"
+    from sfttool.engine.checkpoint import find_latest_checkpoint
+    ckpt = find_latest_checkpoint(work_dir) or work_dir / "iter_N.pth"  # the one --resume would continue
     return f"convert a checkpoint first: sfttool convert pth_to_hf {dumped_config(work_dir)} {ckpt} OUT"
 
 
 def dumped_config(work_dir: Path) -> str:
-    """The config `sfttool train` dumped in ``work_dir`` (it includes the run's
-    --cfg-options), or the placeholder CONFIG when there is not exactly one."""
-    if not _is_work_dir(work_dir):
-        return "CONFIG"
-    # DeepSpeed copies its zero_to_fp32.py / zero_to_torch.py scripts into the work dir too.
-    configs = [p for p in sorted(work_dir.glob("*.py")) if not p.name.startswith("zero_to_")]
-    return str(configs[0]) if len(configs) == 1 else "CONFIG"
+    """The config `sfttool train` dumped in ``work_dir`` (``engine.checkpoint.run_config``),
+    or the placeholder CONFIG when it cannot tell."""
+    from sfttool.engine.checkpoint import run_config
+    found = run_config(work_dir) if _is_work_dir(work_dir) else None
+    return str(found) if found else "CONFIG"
 
 
 def _could_be_hub_name(name: str) -> bool:

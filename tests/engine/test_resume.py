@@ -278,3 +278,9 @@ def test_a_file_that_is_no_checkpoint_is_a_clear_error(tmp_path):
         check_checkpoint_fits(tmp_path / "iter_4.pth", _Adapter())
     assert str(err.value) == (f"--resume {tmp_path}/iter_4.pth holds no state dict (not a checkpoint of sfttool "
                               "train); pass an iter_<N>.pth of the run to continue")
+    (tmp_path / "iter_4.pth").write_text("not a checkpoint\n")  # torch.load cannot read it: one line too
+    with pytest.raises(ConfigError) as err:
+        check_checkpoint_fits(tmp_path / "iter_4.pth", _Adapter())
+    assert str(err.value) == (f"--resume {tmp_path}/iter_4.pth: not an sfttool/mmengine checkpoint (torch.load "
+                              "cannot read it); give an iter_<n>.pth file or DeepSpeed checkpoint folder from a "
+                              "training work dir")
