@@ -38,7 +38,7 @@ def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list
 @user_errors
 def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""
-    from sfttool.config import ConfigError, load_config, validate_config
+    from sfttool.config import ConfigError, load_config
     from sfttool.engine import launch
 
     try:
@@ -46,19 +46,9 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if launch.needs_launch(plan):
-        # Check the config here so a typo fails once, not once per rank.
-        cfg = load_config(config, list(cfg_options))
-        errors = validate_config(cfg, cfg.filename)
-        if errors:
-            raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
-        from sfttool.engine.train import check_work_dir, resolve_resume, resolve_work_dir
+        from sfttool.engine.train import check_run
 
-        if deepspeed:  # a DeepSpeed JSON that does not fit fails here, once, not once per rank
-            from sfttool.engine.deepspeed import deepspeed_config
-            deepspeed_config(deepspeed, cfg, world_size=plan.world_size)
-        run_dir = resolve_work_dir(cfg, work_dir)  # the workers check it too; a refusal then says it once
-        check_work_dir(run_dir, resume)
-        resolve_resume(resume, run_dir, deepspeed)
+        check_run(load_config(config, list(cfg_options)), work_dir, deepspeed, resume, world_size=plan.world_size)
         worker_args = _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options)
         code = launch.launch(plan, worker_args + (["--trust-remote-code"] if trust_remote_code else []))
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary

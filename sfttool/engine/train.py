@@ -31,17 +31,11 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     """Run one training process (``torchrun`` starts one per device). Returns the work dir."""
     announce_config(config)
     cfg = load_config(config, cfg_options)
-    errors = validate_config(cfg, cfg.filename)
-    if errors:
-        raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    work_dir, resume_from = check_run(cfg, work_dir, deepspeed, resume)
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     remote_code_policy(cfg, trust_remote_code)
-    if deepspeed:  # before the work dir is made: a DeepSpeed JSON that does not fit leaves nothing behind
-        from sfttool.engine.deepspeed import deepspeed_config
-        deepspeed_config(deepspeed, cfg)
+    if deepspeed:
         compat.limit_cpu_threads()
-    work_dir = resolve_work_dir(cfg, work_dir)
-    check_work_dir(work_dir, resume)  # fail now, not at the first checkpoint hours later
     misaligned = checkpoint_interval_warning(cfg)
     if misaligned:
         from mmengine.logging import print_log
@@ -49,7 +43,6 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     if seed is not None:
         apply_seed(cfg, seed)
     seed = _seed(cfg, seed)
-    resume_from = resolve_resume(resume, work_dir, deepspeed)  # a bad --resume fails before any building
     from sfttool.engine.hooks.preemption_hook import TrainingPreempted
 
     with one_process_rank_env(deepspeed is not None):
@@ -61,6 +54,24 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
             raise
         close_process_group(launcher)
     return work_dir
+
+
+def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,
+              world_size: int | None = None) -> tuple[Path, str | None]:
+    """Everything that can fail before anything is built: the config (every problem at once), the
+    DeepSpeed JSON (before the work dir is made, so a refusal leaves nothing behind), the work dir
+    (now, not at the first checkpoint hours later), ``--resume``. Returns the work dir and the
+    checkpoint to resume from. The launcher runs it too, for the planned ``world_size``, so a
+    mistake is reported once rather than once per rank."""
+    errors = validate_config(cfg, cfg.filename)
+    if errors:
+        raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    if deepspeed:
+        from sfttool.engine.deepspeed import deepspeed_config
+        deepspeed_config(deepspeed, cfg, world_size=world_size)
+    work_dir = resolve_work_dir(cfg, work_dir)
+    check_work_dir(work_dir, resume)
+    return work_dir, resolve_resume(resume, work_dir, deepspeed)
 
 
 def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | None, resume_from: str | None) -> None:
