@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
-from sfttool.tools.merge import SAVED_CONFIG_NAME, has_tokenizer, load_errors, training_output_problem
+from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
+                                 training_output_problem)
 
 
 class ChatError(Exception):
@@ -84,15 +85,13 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", device_map=device_map,
                                                      quantization_config=quantization_config(bits),
                                                      trust_remote_code=trust_remote_code)
+    saved = adapter_tokenizer(adapter, trust_remote_code=trust_remote_code) if adapter is not None else None
     if adapter is not None:
         from peft import PeftModel
-
-        from sfttool.tools.merge import fit_embeddings_to_adapter
-        fit_embeddings_to_adapter(model, adapter)
+        fit_embeddings_to_adapter(model, saved)
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and has_tokenizer(adapter) else model_path,
-                                              trust_remote_code=trust_remote_code)
+    tokenizer = saved or AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 

@@ -154,8 +154,10 @@ def _check_adapter(adapter: Path) -> None:
 # ---------------------------------------------------------------------------
 # Merging and saving.
 
-def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str = "cpu", dtype="auto"):
-    """Base model with ``adapter`` folded into its weights (a plain transformers model)."""
+def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str = "cpu", dtype="auto",
+                tokenizer=None):
+    """Base model with ``adapter`` folded into its weights (a plain transformers model).
+    ``tokenizer``: the one saved with the adapter, when the caller has loaded it already."""
     from sfttool import compat
 
     _check_adapter(Path(adapter))
@@ -166,21 +168,26 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
 
     with load_errors(base, MergeError):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, device_map=device_map_for(device))
-    fit_embeddings_to_adapter(model, adapter)
+    fit_embeddings_to_adapter(model, tokenizer or adapter_tokenizer(adapter))
     model = PeftModel.from_pretrained(model, str(adapter))
     return model.merge_and_unload()
 
 
-def fit_embeddings_to_adapter(model, adapter: str | os.PathLike) -> None:
-    """Grow the base model's embeddings to the tokenizer saved with the adapter, as training did when the
-    tokenizer had added tokens; the adapter then carries the trained rows (else peft fails on a size
-    mismatch of embed_tokens/lm_head)."""
+def adapter_tokenizer(adapter: str | os.PathLike, **kwargs):
+    """The tokenizer saved with an adapter, or None."""
     if not has_tokenizer(adapter):
-        return
+        return None
     from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(adapter), **kwargs)
 
-    from sfttool.model.build import resize_embeddings
-    resize_embeddings(model, AutoTokenizer.from_pretrained(str(adapter)))
+
+def fit_embeddings_to_adapter(model, tokenizer) -> None:
+    """Grow the base model's embeddings to ``tokenizer``, the one saved with the adapter (None: no
+    change), as training did when it had added tokens; the adapter then carries the trained rows
+    (else peft fails on a size mismatch of embed_tokens/lm_head)."""
+    if tokenizer is not None:
+        from sfttool.model.build import resize_embeddings
+        resize_embeddings(model, tokenizer)
 
 
 def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,
@@ -210,8 +217,9 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
     from transformers import AutoTokenizer
 
     adapter, save_dir = Path(adapter), Path(save_dir)
-    merged = load_merged(base, adapter, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(adapter if has_tokenizer(adapter) else base)
+    tokenizer = adapter_tokenizer(adapter)
+    merged = load_merged(base, adapter, device=device, tokenizer=tokenizer)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(base)
     with output_folder(save_dir, MergeError) as tmp:
         save_model(merged, tmp, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
