@@ -27,3 +27,9 @@ def where(row: int | None = None, source: str | None = None, field: str | None =
     if field:
         parts.append(f"field {field!r}")
     return ", ".join(parts) or "dataset"
+
+
+def check_positive_int(value, name: str, meaning: str = "") -> None:
+    """``max_length must be a positive integer, got 0`` (``meaning`` follows "integer")."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DatasetError(f"{name} must be a positive integer{meaning}, got {value!r}")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
 from sfttool.dataset.resolve import (SafeMapFn, dataset_config, resolve_dataset, resolve_map_fn,
                                      resolve_template_map_fn, source_name, template_of)
 from sfttool.registry import build_if_config
@@ -369,11 +369,9 @@ process_hf_dataset.build_args_lazily = ("dataset",)
 def _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                     max_dataset_length=None) -> None:
     from sfttool.dataset.pack import STRATEGIES
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
-        raise DatasetError(f"max_length must be a positive integer, got {max_length!r}")
-    if max_dataset_length is not None and (not isinstance(max_dataset_length, int)
-                                           or isinstance(max_dataset_length, bool) or max_dataset_length <= 0):
-        raise DatasetError(f"max_dataset_length must be a positive integer or None, got {max_dataset_length!r}")
+    check_positive_int(max_length, "max_length")
+    if max_dataset_length is not None:
+        check_positive_int(max_dataset_length, "max_dataset_length", " or None")
     if use_varlen_attn and not pack_to_max_length:
         raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
     if pack_strategy not in STRATEGIES:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from sfttool.dataset.encode import check_conversation, encode_batch
-from sfttool.dataset.errors import DatasetError, where
+from sfttool.dataset.errors import DatasetError, check_positive_int, where
 from sfttool.dataset.pack import best_fit_decreasing
 from sfttool.dataset.pipeline import log
 from sfttool.dataset.resolve import SafeMapFn, dataset_config, fn_name, source_name
@@ -263,18 +263,13 @@ class StreamingEncoder:
 # ---------------------------------------------------------------------------
 # Settings: process_hf_dataset's arguments, and what each means for a stream.
 
-def _check_positive(value: Any, name: str, meaning: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise DatasetError(f"{name} must be a positive integer{meaning}, got {value!r}")
-
-
 def check_settings(max_length: int, buffer_size: int, encode_chunk: int, rows_per_epoch: int | None,
                    pack_to_max_length: bool, use_varlen_attn: bool, pack_strategy: str) -> None:
-    _check_positive(max_length, "max_length")
-    _check_positive(buffer_size, "buffer_size")
-    _check_positive(encode_chunk, "encode_chunk")
+    check_positive_int(max_length, "max_length")
+    check_positive_int(buffer_size, "buffer_size")
+    check_positive_int(encode_chunk, "encode_chunk")
     if rows_per_epoch is not None:
-        _check_positive(rows_per_epoch, "rows_per_epoch", " (the packed rows one rank reads per pass)")
+        check_positive_int(rows_per_epoch, "rows_per_epoch", " (the packed rows one rank reads per pass)")
     if use_varlen_attn and not pack_to_max_length:
         raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
     if pack_strategy == "concat":
