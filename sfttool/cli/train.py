@@ -46,9 +46,11 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if launch.needs_launch(plan):
-        from sfttool.engine.train import check_run
+        from sfttool.engine.train import check_config, check_run
 
-        check_run(load_config(config, list(cfg_options)), work_dir, deepspeed, resume, world_size=plan.world_size)
+        cfg = load_config(config, list(cfg_options))
+        check_config(cfg)
+        check_run(cfg, work_dir, deepspeed, resume, world_size=plan.world_size)
         worker_args = _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options)
         code = launch.launch(plan, worker_args + (["--trust-remote-code"] if trust_remote_code else []))
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary

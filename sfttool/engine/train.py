@@ -31,9 +31,10 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     """Run one training process (``torchrun`` starts one per device). Returns the work dir."""
     announce_config(config)
     cfg = load_config(config, cfg_options)
-    work_dir, resume_from = check_run(cfg, work_dir, deepspeed, resume)
+    check_config(cfg)
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     remote_code_policy(cfg, trust_remote_code)
+    work_dir, resume_from = check_run(cfg, work_dir, deepspeed, resume)
     if deepspeed:
         compat.limit_cpu_threads()
     misaligned = checkpoint_interval_warning(cfg)
@@ -56,16 +57,20 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     return work_dir
 
 
-def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,
-              world_size: int | None = None) -> tuple[Path, str | None]:
-    """Everything that can fail before anything is built: the config (every problem at once), the
-    DeepSpeed JSON (before the work dir is made, so a refusal leaves nothing behind), the work dir
-    (now, not at the first checkpoint hours later), ``--resume``. Returns the work dir and the
-    checkpoint to resume from. The launcher runs it too, for the planned ``world_size``, so a
-    mistake is reported once rather than once per rank."""
+def check_config(cfg: Any) -> None:
+    """Every problem of the merged config at once, before anything is built."""
     errors = validate_config(cfg, cfg.filename)
     if errors:
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+
+
+def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,
+              world_size: int | None = None) -> tuple[Path, str | None]:
+    """What else can fail before anything is built: the DeepSpeed JSON (before the work dir is made,
+    so a refusal leaves nothing behind), the work dir (now, not at the first checkpoint hours later),
+    ``--resume``. Returns the work dir and the checkpoint to resume from. The launcher runs it, after
+    ``check_config``, for the planned ``world_size`` too, so a mistake is reported once rather than
+    once per rank."""
     if deepspeed:
         from sfttool.engine.deepspeed import deepspeed_config
         deepspeed_config(deepspeed, cfg, world_size=world_size)
