@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from mmengine.registry import Registry
+from sfttool.errors import SfttoolError
 
 # Datasets, models, collate fns, hooks' helpers: anything a config builds.
 BUILDER = Registry("builder")
@@ -22,7 +23,7 @@ BUILDER = Registry("builder")
 MAP_FUNC = Registry("map_fn")
 
 
-class ConfigBuildError(Exception):
+class ConfigBuildError(SfttoolError):
     """A config node could not be built; the message names the key path."""
 
 

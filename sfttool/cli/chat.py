@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.errors import user_errors
 
 
 @click.command("chat")
@@ -47,7 +47,6 @@ def chat(model, adapter, prompt_template, hf_template, system, system_template, 
     """
     from sfttool.tools import chat as tool
 
-    register_user_error(tool.ChatError)
     system_text = tool.resolve_system(system, system_template)
     llm, tokenizer = tool.load_chat_model(model, adapter, int(bits) if bits else None,
                                           trust_remote_code=trust_remote_code)

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.errors import user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
@@ -20,10 +20,8 @@ from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 def check_custom_dataset(config, cfg_options, max_errors, color) -> None:
     """Build CONFIG's training dataset stage by stage, validate every row,
     show trained vs masked text and print statistics. Exits 1 on errors."""
-    from sfttool.dataset.errors import DatasetError
     from sfttool.tools.check_dataset import check_dataset
 
-    register_user_error(DatasetError)
     color = sys.stdout.isatty() if color is None else color
     code = check_dataset(config, list(cfg_options), max_errors=max_errors, echo=click.echo, color=color)
     sys.exit(code)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.errors import user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 _SAFE_HELP = "Write safetensors (default) or, with --no-safe-serialization, PyTorch .bin files."
@@ -27,9 +27,8 @@ def pth_to_hf(config, checkpoint, save_dir, safe_serialization, max_shard_size, 
     trained with CONFIG into SAVE_DIR: a peft adapter for LoRA/QLoRA runs, a
     full HF model otherwise; the tokenizer and the config are saved beside it."""
     from sfttool.config import load_config
-    from sfttool.tools.convert import ConvertError, pth_to_hf as run
+    from sfttool.tools.convert import pth_to_hf as run
 
-    register_user_error(ConvertError)
     cfg = load_config(config, list(cfg_options))
     out = run(cfg, checkpoint, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
     click.echo(f"Saved to {out}")
@@ -48,9 +47,8 @@ def merge(base, adapter, save_dir, device, safe_serialization, max_shard_size) -
     """Merge the peft ADAPTER into BASE (an HF folder or hub name) and save a
     full model with its tokenizer to SAVE_DIR, loadable with
     AutoModelForCausalLM.from_pretrained."""
-    from sfttool.tools.merge import MergeError, merge_adapter
+    from sfttool.tools.merge import merge_adapter
 
-    register_user_error(MergeError)
     out = merge_adapter(base, adapter, save_dir, device=device, safe_serialization=safe_serialization,
                         max_shard_size=max_shard_size)
     click.echo(f"Saved to {out}")

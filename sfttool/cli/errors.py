@@ -5,20 +5,10 @@ import functools
 
 import click
 
-from sfttool.config.loader import ConfigError
-from sfttool.dataset.errors import DatasetError  # bad data found by any command (train, check, process)
-from sfttool.registry import ConfigBuildError
-from sfttool.utils.atomic import CheckpointSaveError  # a failed save (disk full) during train or process
+from sfttool.errors import SfttoolError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ConfigBuildError, FileNotFoundError, DatasetError,
-                                                CheckpointSaveError)
-
-
-def register_user_error(exc_type: type[BaseException]) -> None:
-    """Let a module declare an exception type whose message is meant for users."""
-    global USER_ERRORS
-    if exc_type not in USER_ERRORS:
-        USER_ERRORS = USER_ERRORS + (exc_type,)
+# A missing file named on the command line or in a config is the user's to fix too.
+USER_ERRORS: tuple[type[BaseException], ...] = (SfttoolError, FileNotFoundError)
 
 
 def user_errors(fn):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from sfttool.cli.errors import register_user_error, user_errors
+from sfttool.cli.errors import user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 from sfttool.tools.process_dataset import DEFAULT_SHARD_ROWS
 
@@ -32,10 +32,8 @@ def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, cfg_option
         train_dataset = dict(type=load_processed_dataset, path='DIR')
     """
     from sfttool.config import load_config
-    from sfttool.tools.process_dataset import ProcessedDatasetError, process_dataset as run
+    from sfttool.tools.process_dataset import process_dataset as run
 
-    register_user_error(ProcessedDatasetError)
-    _register_dataset_error()
     cfg = load_config(config, list(cfg_options))
     manifest = run(cfg, out_dir, num_proc=num_proc, overwrite=overwrite, shard_rows=shard_rows)
     efficiency = manifest["packing_efficiency"]
@@ -48,10 +46,3 @@ def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, cfg_option
                "train_dataloader, which copies it) with\n"
                "    from sfttool.tools.process_dataset import load_processed_dataset\n"
                f"    train_dataset = dict(type=load_processed_dataset, path={str(Path(out_dir).resolve())!r})")
-
-
-def _register_dataset_error() -> None:
-    """Bad data found while processing is a user error too (pipeline's DatasetError)."""
-    from sfttool.dataset.errors import DatasetError
-
-    register_user_error(DatasetError)

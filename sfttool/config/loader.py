@@ -10,9 +10,10 @@ from typing import Iterable
 from sfttool import compat
 from sfttool.config import overrides
 from sfttool.config.bases import find_syntax_error
+from sfttool.errors import SfttoolError
 
 
-class ConfigError(Exception):
+class ConfigError(SfttoolError):
     """A config cannot be found, parsed or used; the message names the file."""
 
 

@@ -16,6 +16,7 @@ import difflib
 import logging
 from pathlib import Path
 from typing import Iterable
+from sfttool.errors import SfttoolError
 
 # Top-level keys that the runner, the train entry or the tools read themselves: an override may add them.
 READ_KEYS = frozenset({
@@ -29,7 +30,7 @@ READ_KEYS = frozenset({
 READ_BY_TOOLS = frozenset({"tokenizer"})
 
 
-class OverrideError(ValueError):
+class OverrideError(SfttoolError, ValueError):
     """An override that cannot be parsed or would have no effect."""
 
 

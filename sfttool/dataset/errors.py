@@ -5,13 +5,15 @@ prints it as a one-line ``Error: ...`` without a traceback.
 """
 from __future__ import annotations
 
+from sfttool.errors import SfttoolError
+
 
 # Each row's index in the loaded data, carried through the pipeline's stages so an error names the row
 # a user finds in the file, also after max_dataset_length picked a subset or process-dataset cut shards.
 ROW_COLUMN = "_sfttool_row"
 
 
-class DatasetError(ValueError):
+class DatasetError(SfttoolError, ValueError):
     """Bad input data or dataset settings, described for the user."""
 
 

@@ -31,6 +31,7 @@ from mmengine.hooks import CheckpointHook, Hook
 
 from sfttool.utils.atomic import before_rename, reported_save
 from sfttool.registry import BUILDER
+from sfttool.errors import SfttoolError
 
 _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
 
@@ -242,7 +243,7 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
                           f"config (and --cfg-options) the checkpoint was trained with: {config}")
 
 
-class CheckpointReadError(ValueError):
+class CheckpointReadError(SfttoolError, ValueError):
     """A file torch cannot read as a checkpoint; the message is one line that names it and says why."""
 
 

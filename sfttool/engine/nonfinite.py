@@ -39,22 +39,14 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
 from sfttool.engine.collective import any_rank
+from sfttool.errors import SfttoolError
 
 DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(SfttoolError, RuntimeError):
     """Too many optimizer steps in a row had a NaN/inf loss or gradient."""
 
-
-def _register_user_error() -> None:
-    # The CLI prints this error as one line (no traceback): its message is the diagnosis.
-    from sfttool.cli.errors import register_user_error
-
-    register_user_error(NonFiniteLossError)
-
-
-_register_user_error()
 
 
 def _check_limit(value) -> int | None:

@@ -19,20 +19,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sfttool.utils.atomic import _os_error_text
+from sfttool.errors import SfttoolError
 
 
-class WorkDirError(OSError):
+class WorkDirError(SfttoolError, OSError):
     """The work dir cannot hold the run's outputs."""
 
-
-def _register_user_errors() -> None:
-    # Shown by the CLI as one line without a traceback: the message is the fix.
-    from sfttool.cli.errors import register_user_error
-
-    register_user_error(WorkDirError)
-
-
-_register_user_errors()
 
 
 def check_work_dir_writable(work_dir: str | os.PathLike, need_bytes: int = 0) -> Path:

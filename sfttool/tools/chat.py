@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
 from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
+from sfttool.errors import SfttoolError
                                  training_output_problem)
 
 
-class ChatError(Exception):
+class ChatError(SfttoolError):
     """The model, adapter or template cannot be used for chat; the message says why."""
 
 

@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 from sfttool.tools.merge import SAVED_CONFIG_NAME, dumped_config, output_folder, save_model
+from sfttool.errors import SfttoolError
 
 
-class ConvertError(Exception):
+class ConvertError(SfttoolError):
     """A checkpoint cannot be converted; the message names the file and the fix."""
 
 

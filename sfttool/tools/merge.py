@@ -19,12 +19,13 @@ import os
 import shutil
 from pathlib import Path
 from typing import Iterator
+from sfttool.errors import SfttoolError
 
 SAVED_CONFIG_NAME = "sfttool_config.py"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class MergeError(Exception):
+class MergeError(SfttoolError):
     """The adapter or base model cannot be merged; the message says why."""
 
 

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 from typing import Iterator
+from sfttool.errors import SfttoolError
 
 # Test-only fault injection: when set to a file path, `before_rename` creates
 # that file once the temporary output is complete, then sleeps before the
@@ -27,7 +28,7 @@ PAUSE_MATCH_ENV = "SFTTOOL_FAULT_PAUSE_MATCH"
 TMP_MARK = ".tmp-"   # partial outputs are named '.<final name>.tmp-<pid>'
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(SfttoolError, OSError):
     """A checkpoint could not be written; the previous ones are intact."""
 
 
