@@ -68,7 +68,6 @@ def test_qlora_builds_4bit_with_adapters_on_every_linear(tiny_llama_dir):
     layers = linear4bit_layers(model)
     assert len(layers) == 7 * model.llm.config.num_hidden_layers  # every linear layer but the head
     assert all(m.weight.dtype == torch.uint8 for m in layers)
-    assert all(m.support_avx512bf16_for_cpu is False for m in layers)  # the compat guard
     assert not isinstance(model.llm.get_output_embeddings(), type(layers[0]))
     assert model.llm.device.type == "cpu"
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
