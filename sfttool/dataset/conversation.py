@@ -98,12 +98,15 @@ def flag(turn: dict, key: str) -> bool:
 
 
 def to_messages(conversation: list[dict], with_last_output: bool = True) -> list[dict]:
-    """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``)."""
+    """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``), as written: a turn
+    without ``input`` adds no empty user message (the chat template sees two answers in a row,
+    or an answer first, and renders them as it does or says it cannot)."""
     messages = []
     for i, turn in enumerate(conversation):
         if i == 0 and turn.get("system"):
             messages.append({"role": "system", "content": turn["system"]})
-        messages.append({"role": "user", "content": turn.get("input") or ""})
+        if turn.get("input") or (with_last_output is False and i == len(conversation) - 1):
+            messages.append({"role": "user", "content": turn.get("input") or ""})
         if with_last_output or i < len(conversation) - 1:
             messages.append({"role": "assistant", "content": turn["output"]})
     return messages

@@ -13,7 +13,8 @@ from sfttool import assets
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.dataset import streaming
-from sfttool.dataset.streaming import StreamingPackedDataset, concat_samples, pack_buffer, pack_stream
+from sfttool.dataset.pack import concat_samples, pack_buffer, pack_stream
+from sfttool.dataset.streaming import StreamingPackedDataset
 from sfttool.utils import PROMPT_TEMPLATE
 
 
