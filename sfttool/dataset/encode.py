@@ -299,9 +299,15 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
                     for (ids, offsets), (_, spans) in zip(encoded, rows)]
     else:
         rows_ids = tokenize_pieces(rows, tokenizer)
+    return _truncated_columns(rows_ids, batch["conversation"], max_length)
+
+
+def _truncated_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list[list[dict]],
+                       max_length: int) -> dict[str, list]:
+    """``encode_batch``'s columns: ids and labels cut at ``max_length``, and the counts around the cut."""
     out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": [],
                             "first_trained": []}
-    for (input_ids, labels), conversation in zip(rows_ids, batch["conversation"]):
+    for (input_ids, labels), conversation in zip(rows_ids, conversations):
         out["num_tokens"].append(len(input_ids))
         out["input_ids"].append(input_ids[:max_length])
         out["labels"].append(labels[:max_length])
