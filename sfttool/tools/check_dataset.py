@@ -81,9 +81,10 @@ def pipeline_args(node: dict) -> dict:
 def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
     standard = "conversation" in raw.column_names
     if map_fn is None and not standard:
-        findings.error(f"the data is not in the standard format (columns: {', '.join(raw.column_names)}) and "
-                       "dataset_map_fn=None: set dataset_map_fn to the map fn of your format (e.g. "
-                       "alpaca_map_fn, sharegpt_map_fn) or convert the data to {'conversation': [...]}")
+        from sfttool.dataset.stages import missing_conversation
+        first = raw[0] if len(raw) else dict.fromkeys(raw.column_names)
+        findings.error(f"row 0: {missing_conversation(first, None)}, or convert the data to "
+                       "{'conversation': [...]}")
     if map_fn is not None and standard and len(raw.column_names) == 1:
         findings.error("the data is already in the standard `conversation` format but a dataset_map_fn is "
                        "set: set dataset_map_fn=None")

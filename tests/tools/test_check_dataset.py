@@ -82,7 +82,10 @@ def test_malformed_jsonl_names_line(tmp_path, tiny_tokenizer_dir):
 def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
     rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
-    assert code == 1 and "not in the standard format" in out and "set dataset_map_fn" in out
+    assert code == 1
+    assert ("ERROR: row 0: no `conversation` (fields: instruction, input, output); data that is not in the standard "
+            "format needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn), or convert the data to "
+            "{'conversation': [...]}") in out
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))
     assert code == 0, out
     assert "== after dataset_map_fn (row 0) ==" in out
