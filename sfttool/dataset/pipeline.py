@@ -64,12 +64,14 @@ def select_rows(dataset, max_dataset_length: int | None, seed: int, report: Pipe
 
 def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport):
     """The dataset map fn on every row; what it changed in a row is counted (``stages.count_notes``)."""
+    import pyarrow.compute as pc
     dataset = dataset.map(map_batch, batched=True, with_indices=True, num_proc=num_proc,
                           fn_kwargs=dict(fn=map_fn, source=source), desc=f"Map fn {fn_name(map_fn)}")
-    notes = _column(dataset, NOTES_COLUMN).to_pylist()
-    if any(notes):
-        numbers = _row_numbers(dataset)
-        count_notes(report, [n.split("\n") if n else [] for n in notes], numbers)
+    notes = _column(dataset, NOTES_COLUMN)
+    changed = np.flatnonzero(pc.utf8_length(notes).to_numpy(zero_copy_only=False) > 0)
+    if len(changed):  # few rows: only those pass through Python
+        count_notes(report, [n.split("\n") for n in notes.take(changed).to_pylist()],
+                    _row_numbers(dataset)[changed].tolist())
     return dataset.remove_columns([NOTES_COLUMN])
 
 
@@ -79,10 +81,11 @@ def apply_template(dataset, template_map_fn: Callable, num_proc: int, source: st
                        desc="Applying the prompt template")
 
 
-def _row_numbers(dataset) -> list[int]:
+def _row_numbers(dataset) -> np.ndarray:
+    """Each row's number as loaded (``ROW_COLUMN``), or its index when the rows are not numbered."""
     if ROW_COLUMN in dataset.column_names:
-        return _column(dataset, ROW_COLUMN).to_pylist()
-    return list(range(len(dataset)))
+        return _column(dataset, ROW_COLUMN).to_numpy()
+    return np.arange(len(dataset))
 
 
 def require_conversation(dataset, map_fn: Callable | None, source: str | None) -> None:
@@ -103,8 +106,8 @@ def drop_empty(dataset, report: PipelineReport):
     empty = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False) == 0
     if not empty.any():
         return dataset  # no indices mapping: later stages read the table without a copy
-    keep = drop_empty_rows(report, empty.tolist(), _row_numbers(dataset))
-    return dataset.select(np.flatnonzero(keep))
+    drop_empty_rows(report, [True] * int(empty.sum()), _row_numbers(dataset)[empty].tolist())
+    return dataset.select(np.flatnonzero(~empty))
 
 
 def _column(dataset, name: str):
@@ -143,7 +146,7 @@ def drop_untrained(dataset, report: PipelineReport, max_length: int):
     if not len(untrained):
         return dataset
     first = _column(dataset, "first_trained").to_numpy()[untrained]
-    numbers = np.asarray(_row_numbers(dataset))[untrained]
+    numbers = _row_numbers(dataset)[untrained]
     drop_untrained_rows(report, [0] * len(untrained), first.tolist(), numbers.tolist(), max_length)
     return dataset.select(np.flatnonzero(trained > 0))
 
