@@ -12,12 +12,11 @@ Strategies (``pack_strategy``):
   partial row is kept (no token is lost) and each piece's ``position_ids``
   restart at 0, so a piece attends only to itself.
 
-The table packers work on Arrow columns directly: packing only reorders
-samples and draws new row boundaries over the flat token arrays, so no token
-passes through a Python list; ``pack_stream`` packs a stream with the same
-best fit, one buffer of samples at a time (``StreamingPackedDataset``). Each output row has ``input_ids``, ``labels``, ``position_ids``
-(restarting at 0 at every sample or piece), ``sample_lengths`` (summing to the
-row length) and ``length``.
+The table packers work on Arrow columns directly: packing only reorders samples and draws new row
+boundaries over the flat token arrays, so no token passes through a Python list; ``pack_stream`` packs a
+stream with the same best fit, one buffer of samples at a time (``StreamingPackedDataset``). Each output
+row has ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 at every sample or piece),
+``sample_lengths`` (summing to the row length) and ``length``.
 """
 from __future__ import annotations
 

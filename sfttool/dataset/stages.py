@@ -95,7 +95,8 @@ def missing_conversation(row: Mapping, map_fn: Callable | None) -> str:
                 "{'conversation': [{'input': ..., 'output': ...}]}")
     fitting = fitting_map_fn(row)
     fix = f"set {_setting(fitting)}" if fitting else "e.g. alpaca_map_fn, sharegpt_map_fn"
-    return f"no `conversation` (fields: {fields}); data that is not in the standard format needs a dataset_map_fn ({fix})"
+    return (f"no `conversation` (fields: {fields}); data that is not in the standard format needs a "
+            f"dataset_map_fn ({fix})")
 
 
 def map_rows(rows: Sequence[Mapping], row_numbers: Sequence[int], fn: Callable, source: str | None,

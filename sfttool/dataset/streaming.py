@@ -27,14 +27,14 @@ import torch
 from sfttool.dataset.conversation import check_conversation, is_empty
 from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import DatasetError, check_positive_int, where
-from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_stream, single_sample_row  # noqa: F401  (also imported from here)
+# concat_samples and pack_buffer are imported from here too (benchmarks).
+from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_stream, single_sample_row  # noqa: F401
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.report import PipelineReport, log, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
 from sfttool.dataset.stages import (check_dicts, count_notes, drop_empty_rows, drop_untrained_rows, map_rows,
                                     missing_conversation)
 from sfttool.registry import BUILDER, build_if_config
-
 
 
 # ---------------------------------------------------------------------------

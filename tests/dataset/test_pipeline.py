@@ -184,8 +184,8 @@ def test_a_map_fn_that_fails_on_the_fields_it_found_names_the_one_that_fits(tiny
     with pytest.raises(DatasetError) as exc:
         run([row], tiny_tokenizer, dataset_map_fn=wrong, source="data.jsonl")
     assert str(exc.value).startswith(f"data.jsonl, row 0: dataset_map_fn {wrong} failed: MapFnError: ")
-    assert str(exc.value).endswith(f" (the row's fields fit {fitting}: set "
-                                   f"{fitting if fitting.startswith('dataset_map_fn') else 'dataset_map_fn=' + fitting})")
+    setting = fitting if fitting.startswith("dataset_map_fn") else f"dataset_map_fn={fitting}"
+    assert str(exc.value).endswith(f" (the row's fields fit {fitting}: set {setting})")
 
 
 def test_bad_row_names_row_and_field(tiny_tokenizer):
