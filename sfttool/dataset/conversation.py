@@ -80,6 +80,25 @@ def _check_turn(turn: Any, i: int, row: int | None, source: str | None, need_out
                            "first turn; move it to conversation[0]")
 
 
+# What a turn means without each key a map fn may leave out ("system": none; "output_with_loss": trained).
+ABSENT = {"system": "", "input": "", "output": None, "output_with_loss": True}
+
+
+def with_every_key(conversation: Any) -> Any:
+    """Turns with every key of ``ABSENT`` (missing ones filled with what their absence means), in one order.
+
+    >>> with_every_key([{'input': 'Q', 'output': 'A'}])
+    [{'system': '', 'input': 'Q', 'output': 'A', 'output_with_loss': True}]
+
+    Arrow gives a column one struct type, decided by the first rows a ``map`` writes: a map fn that sets
+    ``system`` only on rows that have one would otherwise fail on the first such row after them.
+    Anything that is not a list of dicts is returned as it is, for the checks to report.
+    """
+    if not isinstance(conversation, list) or not all(isinstance(turn, dict) for turn in conversation):
+        return conversation
+    return [{**{key: turn.get(key, absent) for key, absent in ABSENT.items()}, **turn} for turn in conversation]
+
+
 def check_turn_keys(conversation: list[dict], row: int | None, source: str | None) -> None:
     """Strict check (check-custom-dataset): a turn key the format does not know is probably a typo."""
     for i, turn in enumerate(conversation):

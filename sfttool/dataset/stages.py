@@ -4,8 +4,8 @@ columns it produced) and by the stream (called on each chunk of rows it reads).
 
     map fn -> template -> (drop empty) -> encode (``encode.encode_batch``) -> drop untrained -> pack (``pack``)
 
-    >>> map_batch({'instruction': ['Add.'], 'input': ['1 2'], 'output': ['3']}, [0], alpaca_map_fn)
-    {'conversation': [[{'input': 'Add.\\n1 2', 'output': '3'}]], '_sfttool_notes': ['']}
+    >>> map_batch({'instruction': ['Add.'], 'input': ['1 2'], 'output': ['3']}, [0], alpaca_map_fn)['conversation']
+    [[{'system': '', 'input': 'Add.\\n1 2', 'output': '3', 'output_with_loss': True}]]
 
 Each stage reports by cause what it dropped or changed, naming the rows
 (``PipelineReport.drop`` / ``change``).
@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
+from sfttool.dataset.conversation import with_every_key
 from sfttool.dataset.encode import UNTRAINED_MASKED
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.report import (DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport,
@@ -123,6 +124,8 @@ def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, sour
     for i, row in enumerate(mapped):
         for key, value in row.items():
             columns.setdefault(key, [None] * len(mapped))[i] = value
+    if "conversation" in columns:  # one struct type for every batch the map writes
+        columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
     if role == "dataset_map_fn":
         columns[NOTES_COLUMN] = ["\n".join(n) for n in notes]
     return columns

@@ -500,3 +500,16 @@ def test_rows_a_map_fn_changed_are_counted_and_named_as_in_a_stream(tiny_tokeniz
                                     template_map_fn=QWEN)
     list(stream)
     assert (stream.pass_stats.changed, stream.pass_stats.change_examples) == (report.changed, report.change_examples)
+
+
+def test_a_map_fn_may_set_system_only_on_rows_that_have_one(tiny_tokenizer):
+    # datasets writes a map's output in batches of 1000 rows, each column with the type of the first:
+    # `system` (or `output_with_loss`) first seen after 1000 rows without it failed to cast.
+    plain = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    with_system = {"conversations": [{"from": "system", "value": "Be brief."}] + plain["conversations"]}
+    rows = [plain] * 1000 + [with_system] * 3
+    ds = run(rows, tiny_tokenizer, dataset_map_fn="sharegpt_map_fn", pack_to_max_length=False, max_length=64)
+    with_prompt = encode_rows([{"conversation": [{"system": "Be brief.", "input": "q", "output": "a"}]}],
+                              tiny_tokenizer)[0]
+    assert len(ds) == 1003 and ds[1002]["input_ids"] == with_prompt
+    assert ds[0]["input_ids"] == encode_rows([{"conversation": [{"input": "q", "output": "a"}]}], tiny_tokenizer)[0]
