@@ -14,70 +14,20 @@ complete, so an interrupted run never leaves a half-written cache.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import inspect
 import json
 import os
 import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from sfttool.dataset.fingerprint import describe, file_digest, tokenizer_digest
 from sfttool.registry import build_if_config
 
 CACHE_FORMAT = 1
 REPORT_FILE = "sfttool_report.json"
-
-
-def file_digest(path: str | Path) -> str:
-    """sha256 of a file's content (streamed)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def describe(obj: Any) -> Any:
-    """A JSON-able description of a config value that changes when its meaning does.
-
-    >>> describe({'type': 'json', 'n': 1})
-    {'n': 1, 'type': 'json'}
-    """
-    if isinstance(obj, dict):
-        return {str(k): describe(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple)):
-        return [describe(v) for v in obj]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if isinstance(obj, functools.partial):
-        return {"partial": describe(obj.func), "args": describe(list(obj.args)),
-                "keywords": describe(dict(obj.keywords))}
-    if callable(obj):
-        return {"callable": f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}",
-                "source": _source_digest(obj)}
-    if hasattr(obj, "_fingerprint"):  # a built datasets.Dataset
-        return {"dataset_fingerprint": obj._fingerprint}
-    return repr(obj)
-
-
-def _source_digest(fn: Any) -> str | None:
-    try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
-        return None
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    """Hash of what decides token ids: the backend tokenizer (vocab, merges,
-    normalizer), special tokens and the chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = json.dumps([type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id,
-                        getattr(tokenizer, "chat_template", None), sorted(tokenizer.all_special_tokens)])
-    return hashlib.sha256((state + extra).encode()).hexdigest()
 
 
 def data_files_digest(dataset_cfg: Any) -> list:
@@ -99,9 +49,13 @@ def data_files_digest(dataset_cfg: Any) -> list:
     return out
 
 
+PIPELINE_MODULES = ("conversation", "encode", "pack", "pipeline", "resolve", "stages")
+
+
 def _pipeline_code_digest() -> str:
-    from sfttool.dataset import encode, pack, pipeline, resolve
-    text = "".join(inspect.getsource(m) for m in (encode, pack, pipeline, resolve))
+    # Read as files, not imported: the pipeline imports this module.
+    here = Path(__file__).parent
+    text = "".join((here / f"{name}.py").read_text(encoding="utf-8") for name in PIPELINE_MODULES)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -117,11 +71,11 @@ def cache_key(args: dict, tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cached_pipeline(cache_dir: str | os.PathLike, args: dict):
-    """``process_hf_dataset`` with a disk cache under ``cache_dir``."""
+def cached_pipeline(cache_dir: str | os.PathLike, args: dict, run_pipeline: Callable):
+    """``run_pipeline(**args)`` (``process_hf_dataset``'s) with a disk cache under ``cache_dir``."""
     from datasets import load_from_disk
 
-    from sfttool.dataset.pipeline import PipelineReport, log, log_report, run_pipeline
+    from sfttool.dataset.report import PipelineReport, log, log_report
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     args = {**args, "tokenizer": tokenizer}
     from sfttool.dataset.resolve import json_source_files, resolve_dataset, source_name

@@ -36,9 +36,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from sfttool.dataset.conversation import check_conversation, flag, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import is_hf_chat_template
+
+# ``first_trained`` when no token of a sample is trained: why not.
+UNTRAINED_MASKED = -1  # every answer has output_with_loss=False
+UNTRAINED_EMPTY = -2   # the answers render to nothing trainable
 
 # A piece is (kind, text, trained); kind is 'text', 'bos' or 'eos'.
 Piece = tuple[str, str, bool]
@@ -48,59 +53,6 @@ def bos_eos_ids(tokenizer) -> tuple[list[int], list[int]]:
     """``([bos] or [], [eos] or [])`` of ``tokenizer``."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     return ([bos] if bos is not None else []), ([eos] if eos is not None else [])
-
-
-# ---------------------------------------------------------------------------
-# Validation of one standard row (shared by both modes).
-
-def _check_text(value: Any, field: str, row: int | None, source: str | None, allow_none: bool) -> str:
-    if value is None and allow_none:
-        return ""
-    if not isinstance(value, str):
-        name = type(value).__name__
-        kind = "missing" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-        raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; fix the data or "
-                           "the dataset_map_fn so every turn's `system`, `input` and `output` are strings")
-    return value
-
-
-def check_conversation(conversation: Any, row: int | None = None, source: str | None = None,
-                       need_output: bool = True) -> list[dict]:
-    """Validate a ``conversation`` list; return it. Raise DatasetError naming row and field."""
-    if not isinstance(conversation, list):
-        raise DatasetError(f"{where(row, source, 'conversation')}: expected a list of turns, "
-                           f"got {type(conversation).__name__}; set a dataset_map_fn that produces "
-                           "{'conversation': [{'input': ..., 'output': ...}]}")
-    for i, turn in enumerate(conversation):
-        field = f"conversation[{i}]"
-        if not isinstance(turn, dict):
-            raise DatasetError(f"{where(row, source, field)}: expected a dict with `input` and `output`, "
-                               f"got {type(turn).__name__}")
-        if "input" not in turn and "output" not in turn:
-            keys = ", ".join(sorted(turn)) or "none"
-            raise DatasetError(f"{where(row, source, field)}: no `input`/`output` (keys: {keys}); "
-                               "convert roles to the standard format with a dataset_map_fn")
-        _check_text(turn.get("input"), f"{field}.input", row, source, allow_none=True)
-        if need_output:
-            _check_text(turn.get("output"), f"{field}.output", row, source, allow_none=False)
-        _check_text(turn.get("system"), f"{field}.system", row, source, allow_none=True)
-        for flag in ("output_with_loss", "need_eos_token"):
-            value = turn.get(flag)
-            if value is not None and not isinstance(value, bool) and value not in (0, 1):
-                # bool("false") is True: a quoted flag would silently train what it meant to mask.
-                raise DatasetError(f"{where(row, source, f'{field}.{flag}')}: expected true or false, "
-                                   f"got {value!r}")
-        if i > 0 and turn.get("system"):
-            raise DatasetError(f"{where(row, source, field + '.system')}: `system` is only allowed on the "
-                               "first turn; move it to conversation[0]")
-    return conversation
-
-
-def _flag(turn: dict, key: str) -> bool:
-    """A boolean turn field that defaults to True; None (Arrow's fill for a
-    field other rows have) also means "not set"."""
-    value = turn.get(key)
-    return True if value is None else bool(value)
 
 
 # ---------------------------------------------------------------------------
@@ -124,9 +76,9 @@ def template_pieces(conversation: list[dict], input_ids_with_output: bool = True
         pieces.append(("text", turn.get("input") or "", False))
         if not input_ids_with_output or (prompt_only_last and i == last):
             continue
-        trained = _flag(turn, "output_with_loss")
+        trained = flag(turn, "output_with_loss")
         pieces.append(("text", turn["output"], trained))
-        next_needs_bos = _flag(turn, "need_eos_token")
+        next_needs_bos = flag(turn, "need_eos_token")
         if next_needs_bos:
             pieces.append(("eos", "", trained))
         if turn.get("sep"):
@@ -136,18 +88,6 @@ def template_pieces(conversation: list[dict], input_ids_with_output: bool = True
 
 # ---------------------------------------------------------------------------
 # HF chat-template mode: render prefixes to find each answer's span.
-
-def to_messages(conversation: list[dict], with_last_output: bool = True) -> list[dict]:
-    """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``)."""
-    messages = []
-    for i, turn in enumerate(conversation):
-        if i == 0 and turn.get("system"):
-            messages.append({"role": "system", "content": turn["system"]})
-        messages.append({"role": "user", "content": turn.get("input") or ""})
-        if with_last_output or i < len(conversation) - 1:
-            messages.append({"role": "assistant", "content": turn["output"]})
-    return messages
-
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, row: int | None = None) -> str:
     try:
@@ -214,7 +154,7 @@ def chat_template_spans(conversation: list[dict], tokenizer, row: int | None = N
         content = message["content"].strip()
         if not full.startswith(prompt) or end < start or (content and full.find(content, start, end) < 0):
             raise _unstable(row)
-        if _flag(conversation[_turn_of(messages, k)], "output_with_loss"):
+        if flag(conversation[_turn_of(messages, k)], "output_with_loss"):
             spans.append((start, _trained_end(full, start, end, message["content"], specials)))
     return full, spans
 
@@ -305,6 +245,24 @@ def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int],
     return out
 
 
+def pieces_text(pieces: list[Piece], tokenizer) -> str:
+    """The text ``tokenize_pieces`` encodes: BOS/EOS written as their token text, with the same BOS
+    rule (no BOS before a text that starts with the BOS token: the encoder keeps one of the two).
+
+    >>> pieces_text([('bos', '', False), ('text', '<|im_start|>user', False)], smollm2_tokenizer)  # doctest: +SKIP
+    '<|im_start|>user'
+    """
+    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
+    texts = []
+    for i, (kind, text, _) in enumerate(pieces):
+        if kind == "bos":
+            following = pieces[i + 1][1] if i + 1 < len(pieces) and pieces[i + 1][0] == "text" else ""
+            texts.append("" if following.startswith(bos) else bos)
+        else:
+            texts.append(text if kind == "text" else eos)
+    return "".join(texts)
+
+
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                  input_ids_with_output: bool = True, hf_chat_template: bool = False,
                  source: str | None = None) -> dict[str, list]:
@@ -313,10 +271,11 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
     >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
     ...              [0], tok, 8)   # doctest: +SKIP
     {'input_ids': [[bos, q, a, eos]], 'labels': [[-100, -100, a, eos]], 'length': [4],
-     'num_tokens': [4], 'num_trained': [2]}
+     'num_tokens': [4], 'num_trained': [2], 'first_trained': [2]}
 
     ``num_tokens`` is the length before right truncation at ``max_length``
-    (``length``: after it), ``num_trained`` the tokens with a label.
+    (``length``: after it), ``num_trained`` the tokens with a label, ``first_trained``
+    the prompt's length (see ``first_trained``), which explains a row left without labels.
     """
     specials = special_token_texts(tokenizer) if hf_chat_template else None
     rows = []
@@ -340,15 +299,32 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
                     for (ids, offsets), (_, spans) in zip(encoded, rows)]
     else:
         rows_ids = tokenize_pieces(rows, tokenizer)
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": []}
-    for input_ids, labels in rows_ids:
+    return _truncated_columns(rows_ids, batch["conversation"], max_length)
+
+
+def _truncated_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list[list[dict]],
+                       max_length: int) -> dict[str, list]:
+    """``encode_batch``'s columns: ids and labels cut at ``max_length``, and the counts around the cut."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": [],
+                            "first_trained": []}
+    for (input_ids, labels), conversation in zip(rows_ids, conversations):
         out["num_tokens"].append(len(input_ids))
         out["input_ids"].append(input_ids[:max_length])
         out["labels"].append(labels[:max_length])
         out["length"].append(min(len(input_ids), max_length))
         kept = labels[:max_length]
         out["num_trained"].append(len(kept) - kept.count(IGNORE_INDEX))
+        out["first_trained"].append(first_trained(labels, conversation))
     return out
+
+
+def first_trained(labels: list[int], conversation: list[dict]) -> int:
+    """Where the first trained token of a whole (uncut) sample is: the prompt's length; when none is
+    trained, why not: ``UNTRAINED_MASKED`` (every answer has output_with_loss=False) or ``UNTRAINED_EMPTY``."""
+    position = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+    if position is not None:
+        return position
+    return UNTRAINED_EMPTY if any(flag(turn, "output_with_loss") for turn in conversation) else UNTRAINED_MASKED
 
 
 def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[int]:

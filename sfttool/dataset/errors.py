@@ -35,3 +35,17 @@ def check_positive_int(value, name: str, meaning: str = "") -> None:
     """``max_length must be a positive integer, got 0`` (``meaning`` follows "integer")."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise DatasetError(f"{name} must be a positive integer{meaning}, got {value!r}")
+
+
+EXAMPLES = 5  # rows named per cause in a warning; the rest are counted
+
+
+def examples(items: list[str], total: int | None = None) -> str:
+    """The first ``EXAMPLES`` items, then how many more (``total``: all of them, when more than listed).
+
+    >>> examples(['row 1', 'row 4'], total=9)
+    'row 1, row 4 and 7 more'
+    """
+    total = len(items) if total is None else total
+    shown = items[:EXAMPLES]
+    return ", ".join(shown) + (f" and {total - len(shown)} more" if total > len(shown) else "")

@@ -18,7 +18,7 @@ import lzma
 from pathlib import Path
 from typing import Any, Iterator
 
-from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.errors import DatasetError, examples
 from sfttool.registry import BUILDER
 
 
@@ -71,17 +71,21 @@ def _open_binary(path: Path):
     return _OPENERS.get(path.suffix.lower(), open)(path, "rb")
 
 
-def iter_json_rows(path: str | Path, field: str | None = None) -> Iterator[tuple[str, Any]]:
+def iter_json_rows(path: str | Path, field: str | None = None,
+                   duplicates: dict[int, list[str]] | None = None) -> Iterator[tuple[str, Any]]:
     """``(location, row)`` for each record of a JSON file: an array of objects
     (location ``"row 3"``) or one object per line (``"line 7"``), whatever its
-    suffix, as ``datasets`` reads both; ``field``: the rows are ``data[field]``."""
+    suffix, as ``datasets`` reads both; ``field``: the rows are ``data[field]``.
+    ``duplicates`` is filled with ``id(object) -> keys`` for each object of the
+    row just yielded that had a key twice (json keeps the last value)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
+    decoder = json.JSONDecoder(object_pairs_hook=_KeepLast(duplicates))
     with _open_binary(path) as f:
         head = f.read(4096).removeprefix(_BOM).lstrip()
     if field is not None or head.startswith(b"["):
-        yield from _iter_json_document(path, field)
+        yield from _iter_json_document(path, field, decoder)
         return
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, 1):
@@ -89,16 +93,58 @@ def iter_json_rows(path: str | Path, field: str | None = None) -> Iterator[tuple
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = decoder.decode(line)
             except json.JSONDecodeError as exc:
                 if line_no == 1 and exc.msg == "Expecting property name enclosed in double quotes":
-                    yield from _iter_json_document(path, field)  # one object spread over several lines
+                    yield from _iter_json_document(path, field, decoder)  # one object spread over several lines
                     return
-                raise DatasetError(f"{path}, line {line_no}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                raise DatasetError(f"{path}, line {line_no}: invalid JSON ({_json_problem(exc)}); "
                                    "each line must be one JSON object (or the file one JSON array)") from None
             if "\\ud" in line.lower():
                 _check_surrogates(row, path, f"line {line_no}")
             yield f"line {line_no}", row
+            _forget(duplicates)  # the row may be freed now, and its objects' ids reused
+
+
+class _KeepLast:
+    """``object_pairs_hook`` that builds the dict as json does (the last value of a repeated key wins)
+    and records which objects repeated a key, so the row can be named instead of changed silently."""
+
+    def __init__(self, duplicates: dict[int, list[str]] | None):
+        self.duplicates = duplicates
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) < len(pairs) and self.duplicates is not None:
+            seen: set[str] = set()
+            self.duplicates[id(obj)] = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        return obj
+
+
+def _forget(duplicates: dict | None) -> None:
+    if duplicates:
+        duplicates.clear()
+
+
+def duplicated_keys(row: Any, duplicates: dict[int, list[str]]) -> list[str]:
+    """The keys repeated in ``row`` or any object nested in it (``duplicates`` from ``iter_json_rows``)."""
+    if not duplicates:
+        return []
+    found, stack = [], [row]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            found += duplicates.get(id(value), [])
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return sorted(set(found))
+
+
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    """``Expecting ',' delimiter at column 7``; json's own messages may end in "at"
+    ("Unterminated string starting at"), which must not read "at at column"."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 _BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; datasets reads such files
@@ -121,15 +167,17 @@ def _check_surrogates(row: Any, path: Path, location: str) -> None:
                            "not text; the string was probably cut in the middle of an emoji") from None
 
 
-def _iter_json_document(path: Path, field: str | None) -> Iterator[tuple[str, Any]]:
+def _iter_json_document(path: Path, field: str | None, decoder: json.JSONDecoder) -> Iterator[tuple[str, Any]]:
     with _open_binary(path) as f:
         text = _decode(f.read().removeprefix(_BOM), path, "somewhere")
+    _forget(decoder.object_pairs_hook.duplicates)  # left by a failed attempt to read lines
     try:
-        data = json.loads(text)
+        data = decoder.decode(text)
     except json.JSONDecodeError as exc:
+        _forget(decoder.object_pairs_hook.duplicates)
         if exc.msg != "Extra data" or field is not None:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        yield from _iter_json_values(text, path)  # several JSON values one after another, as datasets reads
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
+        yield from _iter_json_values(text, path, decoder)  # several JSON values one after another, as datasets reads
         return
     if field is not None:
         if not isinstance(data, dict) or field not in data:
@@ -145,10 +193,9 @@ def _iter_json_document(path: Path, field: str | None) -> Iterator[tuple[str, An
         yield f"row {i}", row
 
 
-def _iter_json_values(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+def _iter_json_values(text: str, path: Path, decoder: json.JSONDecoder) -> Iterator[tuple[str, Any]]:
     """Rows of a file holding JSON values one after another (pretty-printed objects), each named by
     the line it starts on."""
-    decoder = json.JSONDecoder()
     pos = 0
     while True:
         while pos < len(text) and text[pos].isspace():
@@ -159,8 +206,9 @@ def _iter_json_values(text: str, path: Path) -> Iterator[tuple[str, Any]]:
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
         yield f"line {line}", row
+        _forget(getattr(decoder.object_pairs_hook, "duplicates", None))
 
 
 def check_json_file(path: str | Path, standard: bool | None = None, field: str | None = None) -> int:
@@ -169,17 +217,22 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
     Rows must be objects whose fields, nested ones included, keep one type
     across rows where the pipeline needs that (see ``_typed_fields``). Rows
     with a ``conversation`` (or all rows when ``standard``) are validated
-    against the standard schema. A file without rows is an error.
+    against the standard schema. A file without rows is an error, and so are
+    objects with a repeated key (Arrow's JSON reader refuses them; Python's
+    would keep the last value silently): one error counting the rows and
+    naming the first few.
     """
-    from sfttool.dataset.encode import check_conversation
+    from sfttool.dataset.conversation import check_conversation
     kinds: dict[str, tuple[str, str]] = {}
     typed = _typed_fields()
-    count = 0
-    for location, row in iter_json_rows(path, field):
+    count, duplicates, repeated = 0, {}, []
+    for location, row in iter_json_rows(path, field, duplicates):
         count += 1
         # A JSONL row is named by its line (what an editor shows) and by its index among the rows (what
         # later stages and check-custom-dataset name), so the two kinds of message can be matched.
         here = f"{location} (row {count - 1})" if location.startswith("line") else location
+        if keys := duplicated_keys(row, duplicates):
+            repeated.append(f"{here} ({', '.join(map(repr, keys))})")
         if not isinstance(row, dict):
             raise DatasetError(f"{path}, {here}: expected a JSON object, got {type(row).__name__}")
         if standard or (standard is None and "conversation" in row):
@@ -193,6 +246,9 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
                 kinds[name] = (kind, location)
     if count == 0:
         raise DatasetError(f"{path}: the file holds no rows")
+    if repeated:
+        raise DatasetError(f"{path}: {len(repeated)} rows have an object with a repeated key, which the JSON "
+                           f"reader refuses: {examples(repeated)}; keep one value per key")
     return count
 
 

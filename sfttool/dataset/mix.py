@@ -45,7 +45,7 @@ def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None,
         raise DatasetError(f"mix_datasets: {len(datasets)} datasets but {len(ratios)} ratios; give one per dataset")
     if any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0 for r in ratios):
         raise DatasetError(f"mix_datasets: ratios must be finite numbers >= 0, got {ratios}")
-    from sfttool.dataset.pipeline import log
+    from sfttool.dataset.report import log
     rng = np.random.default_rng(seed)
     parts, sizes = [], []
     for i, (dataset, ratio) in enumerate(zip(datasets, ratios)):

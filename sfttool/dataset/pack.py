@@ -12,20 +12,34 @@ Strategies (``pack_strategy``):
   partial row is kept (no token is lost) and each piece's ``position_ids``
   restart at 0, so a piece attends only to itself.
 
-Both work on Arrow columns directly: packing only reorders samples and draws
-new row boundaries over the flat token arrays, so no token passes through a
-Python list. Each output row has ``input_ids``, ``labels``, ``position_ids``
-(restarting at 0 at every sample or piece), ``sample_lengths`` (summing to the
-row length) and ``length``.
+The table packers work on Arrow columns directly: packing only reorders samples and draws new row
+boundaries over the flat token arrays, so no token passes through a Python list; ``pack_stream`` packs a
+stream with the same best fit, one buffer of samples at a time (``StreamingPackedDataset``). Each output
+row has ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 at every sample or piece),
+``sample_lengths`` (summing to the row length) and ``length``.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
+from sfttool.dataset.errors import DatasetError
+
 STRATEGIES = ("bfd", "concat")
+
+
+def packing_efficiency(tokens: int, rows: int, max_length: int | None) -> float | None:
+    """The share of the rows' ``max_length`` slots that hold real tokens: ``tokens / (rows * max_length)``
+    (None when there is no row or no length). The one definition every report uses.
+
+    >>> packing_efficiency(300, 3, 128)
+    0.78125
+    """
+    return tokens / (rows * max_length) if rows and max_length else None
 
 
 @dataclass
@@ -36,11 +50,12 @@ class PackStats:
     capacity: int            # rows * max_length
     split_samples: int       # samples spread over several rows (concat only)
     rows_without_labels: int  # rows with no trained token (concat only can create them)
+    max_length: int = 0
 
     @property
     def efficiency(self) -> float:
-        """Real tokens / row capacity."""
-        return self.tokens / self.capacity if self.capacity else 0.0
+        """Real tokens / row capacity (``packing_efficiency``)."""
+        return packing_efficiency(self.tokens, self.rows, self.max_length) or 0.0
 
 
 class _FirstSetIndex:
@@ -215,4 +230,71 @@ def _stats(packed: pa.Table, samples: int, max_length: int, split: int) -> PackS
     per_row = np.add.reduceat(trained, starts) if len(lengths) else np.zeros(0)
     return PackStats(samples=samples, rows=packed.num_rows, tokens=int(lengths.sum()),
                      capacity=packed.num_rows * max_length, split_samples=split,
-                     rows_without_labels=int((per_row == 0).sum()))
+                     rows_without_labels=int((per_row == 0).sum()), max_length=max_length)
+
+
+# ---------------------------------------------------------------------------
+# The stream's packer: the same best fit, a buffer at a time, on Python lists.
+
+Sample = dict  # {"input_ids": [...], "labels": [...]}: one encoded conversation
+
+
+def concat_samples(samples: list[Sample]) -> Sample:
+    """Join encoded samples into one row with restarting ``position_ids``.
+
+    >>> concat_samples([{'input_ids': [1, 2], 'labels': [-100, 2]}, {'input_ids': [3], 'labels': [3]}])
+    {'input_ids': [1, 2, 3], 'labels': [-100, 2, 3], 'position_ids': [0, 1, 0], 'sample_lengths': [2, 1]}
+    """
+    row: Sample = {"input_ids": [], "labels": [], "position_ids": [], "sample_lengths": []}
+    for s in samples:
+        n = len(s["input_ids"])
+        row["input_ids"].extend(s["input_ids"])
+        row["labels"].extend(s["labels"])
+        row["position_ids"].extend(range(n))
+        row["sample_lengths"].append(n)
+    return row
+
+
+def pack_buffer(samples: list[Sample], max_length: int, final: bool) -> tuple[list[Sample], list[Sample]]:
+    """Pack one buffer: return (full rows, samples carried into the next buffer).
+
+    Unless ``final``, rows at most half full are carried over rather than
+    emitted; best fit leaves at most one such row, so the carry is bounded by
+    ``max_length`` tokens.
+    """
+    lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
+    if len(lengths) and lengths.max() > max_length:
+        raise DatasetError(f"an encoded sample has {lengths.max()} tokens, more than max_length={max_length}; "
+                           "truncate to max_length when encoding")
+    bins = best_fit_decreasing(lengths, max_length) if len(lengths) else []
+    rows, carry = [], []
+    for b in bins:
+        members = [samples[i] for i in sorted(b)]  # keep stream order inside a row
+        if not final and 2 * sum(len(s["input_ids"]) for s in members) <= max_length:
+            carry.extend(members)
+        else:
+            rows.append(concat_samples(members))
+    return rows, carry
+
+
+def pack_stream(samples: Iterable[Sample], max_length: int, buffer_size: int,
+                rng: random.Random | None) -> Iterator[Sample]:
+    """Pack an endless or finite stream buffer by buffer, rows shuffled within a buffer by ``rng``
+    (in packing order when it is None)."""
+    buffer: list[Sample] = []
+    for sample in samples:
+        buffer.append(sample)
+        if len(buffer) >= buffer_size:
+            rows, buffer = pack_buffer(buffer, max_length, final=False)
+            if rng is not None:
+                rng.shuffle(rows)
+            yield from rows
+    rows, _ = pack_buffer(buffer, max_length, final=True)
+    if rng is not None:
+        rng.shuffle(rows)
+    yield from rows
+
+
+def single_sample_row(sample: Sample) -> Sample:
+    """An unpacked row: one sample, positions from 0."""
+    return concat_samples([sample])

@@ -15,38 +15,19 @@ Rows hold ``input_ids``, ``labels``, ``position_ids``,
 """
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
-from sfttool.dataset.resolve import (SafeMapFn, dataset_config, resolve_dataset, resolve_map_fn,
-                                     resolve_template_map_fn, source_name, template_of)
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
+from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
+from sfttool.dataset.report import DROP_SUBSET, PipelineReport, log, log_report  # noqa: F401  (imported from here)
+from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
+                                     source_name, template_of)
+from sfttool.dataset.stages import (NOTES_COLUMN, count_notes, drop_empty_rows, drop_untrained_rows, fn_name,
+                                    map_batch, missing_conversation)
 from sfttool.registry import build_if_config
-
-
-@dataclass
-class PipelineReport:
-    """What each stage did; ``stages`` keeps a dataset per stage when asked."""
-    rows_in: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
-    encoded: int = 0  # samples tokenized (before rows without trained tokens are dropped)
-    truncated: int = 0
-    tokens_cut: int = 0
-    tokens: int = 0
-    trained_tokens: int = 0
-    sample_lengths: list[int] = field(default_factory=list)
-    pack: Any = None  # PackStats when packed
-    rows_out: int = 0
-    stages: dict[str, Any] = field(default_factory=dict)
-
-
-def log(message: str, level: int = logging.INFO) -> None:
-    from mmengine.logging import print_log
-    print_log(message, logger="current", level=level)
 
 
 # ---------------------------------------------------------------------------
@@ -77,27 +58,42 @@ def select_rows(dataset, max_dataset_length: int | None, seed: int, report: Pipe
     if max_dataset_length is None or max_dataset_length >= len(dataset):
         return dataset
     keep = np.sort(np.random.default_rng(seed).permutation(len(dataset))[:max_dataset_length])
-    report.dropped["over max_dataset_length"] = len(dataset) - len(keep)
+    report.drop(DROP_SUBSET, [], count=len(dataset) - len(keep))
     return dataset.select(keep)
 
 
-def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None):
-    safe = SafeMapFn(map_fn, source)
-    return dataset.map(safe, with_indices=True, num_proc=num_proc, desc=f"Map fn {safe.name}")
+def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport):
+    """The dataset map fn on every row; what it changed in a row is counted (``stages.count_notes``)."""
+    import pyarrow.compute as pc
+    dataset = dataset.map(map_batch, batched=True, with_indices=True, num_proc=num_proc,
+                          fn_kwargs=dict(fn=map_fn, source=source), desc=f"Map fn {fn_name(map_fn)}")
+    notes = _column(dataset, NOTES_COLUMN)
+    changed = np.flatnonzero(pc.utf8_length(notes).to_numpy(zero_copy_only=False) > 0)
+    if len(changed):  # few rows: only those pass through Python
+        count_notes(report, [n.split("\n") for n in notes.take(changed).to_pylist()],
+                    _row_numbers(dataset)[changed].tolist())
+    return dataset.remove_columns([NOTES_COLUMN])
 
 
 def apply_template(dataset, template_map_fn: Callable, num_proc: int, source: str | None):
-    safe = SafeMapFn(template_map_fn, source, role="template_map_fn")
-    return dataset.map(safe, with_indices=True, num_proc=num_proc, desc="Applying the prompt template")
+    return dataset.map(map_batch, batched=True, with_indices=True, num_proc=num_proc,
+                       fn_kwargs=dict(fn=template_map_fn, source=source, role="template_map_fn"),
+                       desc="Applying the prompt template")
 
 
-def require_conversation(dataset) -> None:
-    """Raw data without a map fn: say which map fn to set (XTuner's first check)."""
+def _row_numbers(dataset) -> np.ndarray:
+    """Each row's number as loaded (``ROW_COLUMN``), or its index when the rows are not numbered."""
+    if ROW_COLUMN in dataset.column_names:
+        return _column(dataset, ROW_COLUMN).to_numpy()
+    return np.arange(len(dataset))
+
+
+def require_conversation(dataset, map_fn: Callable | None, source: str | None) -> None:
+    """Rows without ``conversation``: say which map fn to set (XTuner's first check)."""
     if "conversation" not in dataset.column_names:
-        columns = ", ".join(c for c in dataset.column_names if c != ROW_COLUMN)
-        raise DatasetError(
-            f"rows have no `conversation` (columns: {columns}); data that is not in "
-            "the standard format needs a dataset_map_fn (e.g. alpaca_map_fn, sharegpt_map_fn)")
+        first = dataset[0] if len(dataset) else {name: None for name in dataset.column_names}
+        number = first.get(ROW_COLUMN, 0)
+        raise DatasetError(f"{where(number, source)}: {missing_conversation(first, map_fn)}")
 
 
 def drop_empty(dataset, report: PipelineReport):
@@ -107,8 +103,11 @@ def drop_empty(dataset, report: PipelineReport):
     column = _column(dataset, "conversation")
     if not pa.types.is_list(column.type):
         return dataset  # not a list at all: the encoder reports the row
-    lengths = pc.list_value_length(column).fill_null(0)
-    return _keep(dataset, lengths.to_numpy(zero_copy_only=False) > 0, "empty conversation", report)
+    empty = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False) == 0
+    if not empty.any():
+        return dataset  # no indices mapping: later stages read the table without a copy
+    drop_empty_rows(report, [True] * int(empty.sum()), _row_numbers(dataset)[empty].tolist())
+    return dataset.select(np.flatnonzero(~empty))
 
 
 def _column(dataset, name: str):
@@ -116,27 +115,19 @@ def _column(dataset, name: str):
     return dataset.select_columns([name]).with_format("arrow")[:][name]
 
 
-def _keep(dataset, mask: np.ndarray, reason: str, report: PipelineReport):
-    """Keep the rows where ``mask`` is True; count the others under ``reason``."""
-    dropped = int((~mask).sum())
-    if not dropped:
-        return dataset  # no indices mapping: later stages read the table without a copy
-    report.dropped[reason] = report.dropped.get(reason, 0) + dropped
-    return dataset.select(np.flatnonzero(mask))
-
-
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, hf_chat_template: bool,
            remove_unused_columns: bool, num_proc: int, source: str | None):
     from sfttool.dataset.encode import encode_batch
-    remove = dataset.column_names if remove_unused_columns else ["conversation", ROW_COLUMN]
-    remove = [name for name in remove if name in dataset.column_names]
+    remove = dataset.column_names if remove_unused_columns else ["conversation"]
+    remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"
+    settings = dict(max_length=max_length, source=source, input_ids_with_output=input_ids_with_output,
+                    hf_chat_template=hf_chat_template)
+    # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
+    fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove)
     return dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
-                       features=_encoded_features(dataset, remove),
-                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, source=source,
-                                      input_ids_with_output=input_ids_with_output,
-                                      hf_chat_template=hf_chat_template),
-                       desc=f"Tokenizing ({mode} mode)")
+                       features=_encoded_features(dataset, remove), new_fingerprint=fingerprint,
+                       fn_kwargs=dict(tokenizer=tokenizer, **settings), desc=f"Tokenizing ({mode} mode)")
 
 
 def _encoded_features(dataset, removed: list[str]):
@@ -144,12 +135,24 @@ def _encoded_features(dataset, removed: list[str]):
     from datasets import Features, List, Value
     kept = {name: feature for name, feature in dataset.features.items() if name not in removed}
     return Features({**kept, "input_ids": List(Value("int32")), "labels": List(Value("int32")),
-                     "length": Value("int32"), "num_tokens": Value("int32"), "num_trained": Value("int32")})
+                     "length": Value("int32"), "num_tokens": Value("int32"), "num_trained": Value("int32"),
+                     "first_trained": Value("int32")})
 
 
-def drop_untrained(dataset, report: PipelineReport):
+def drop_untrained(dataset, report: PipelineReport, max_length: int):
+    """Drop rows without a trained token, counted by cause with the first rows named."""
     trained = _column(dataset, "num_trained").to_numpy()
-    return _keep(dataset, trained > 0, "no trained token (answer empty, masked or truncated away)", report)
+    untrained = np.flatnonzero(trained == 0)
+    if not len(untrained):
+        return dataset
+    first = _column(dataset, "first_trained").to_numpy()[untrained]
+    numbers = _row_numbers(dataset)[untrained]
+    drop_untrained_rows(report, [0] * len(untrained), first.tolist(), numbers.tolist(), max_length)
+    return dataset.select(np.flatnonzero(trained > 0))
+
+
+# Columns the stages add for their own counts and messages; not part of a training row.
+HELPER_COLUMNS = ("num_tokens", "num_trained", "first_trained", ROW_COLUMN)
 
 
 def to_table(dataset):
@@ -195,7 +198,7 @@ def finish_rows(table, pack_to_max_length: bool, max_length: int, strategy: str,
     else:
         rows = unpacked_table(table)
         for name in table.column_names:
-            if name not in rows.column_names and name not in ("num_tokens", "num_trained"):  # helpers
+            if name not in rows.column_names and name not in HELPER_COLUMNS:
                 rows = rows.append_column(name, table[name])
     return Dataset(rows, fingerprint=content_fingerprint(rows))
 
@@ -217,24 +220,6 @@ def content_fingerprint(table) -> str:
                 if buffer is not None:
                     digest.update(memoryview(buffer))
     return digest.hexdigest()
-
-
-def log_report(report: PipelineReport, max_length: int) -> None:
-    log(f"Dataset: {report.rows_in} rows in, {report.rows_out} rows out")
-    for reason, count in report.dropped.items():
-        log(f"Dataset: dropped {count} rows: {reason}", logging.WARNING)
-    if report.truncated:
-        log(f"Dataset: truncated {report.truncated} samples at max_length={max_length} "
-            f"({report.tokens_cut} tokens cut)", logging.WARNING)
-    if report.tokens:
-        log(f"Dataset: {report.tokens} tokens, {report.trained_tokens} trained "
-            f"({100 * report.trained_tokens / report.tokens:.1f}%)")
-    pack = report.pack
-    if pack is not None:
-        log(f"Dataset: packed {pack.samples} samples into {pack.rows} rows of <= {max_length} tokens, "
-            f"packing efficiency {100 * pack.efficiency:.1f}%, {pack.split_samples} samples split")
-        if pack.rows_without_labels:
-            log(f"Dataset: {pack.rows_without_labels} packed rows have no trained token", logging.WARNING)
 
 
 # ---------------------------------------------------------------------------
@@ -261,13 +246,15 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
     stage("loaded", dataset)
     num_proc = default_num_proc(len(dataset), map_num_proc)
+    # datasets 5 starts a process pool for num_proc=1 too, pickling the tokenizer to send it there.
+    num_proc = num_proc if num_proc > 1 else None
 
     dataset = select_rows(dataset, max_dataset_length, seed, report)
     if map_fn is not None:
-        dataset = apply_map_fn(dataset, map_fn, num_proc, source)
+        dataset = apply_map_fn(dataset, map_fn, num_proc, source, report)
         stage("map_fn", dataset)
     if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
-        require_conversation(dataset)  # before the template map fn, which would see no conversation
+        require_conversation(dataset, map_fn, source)  # before the template map fn, which would see none
     if template_map_fn is not None:
         dataset = apply_template(dataset, template_map_fn, num_proc, source)
         stage("template", dataset)
@@ -275,14 +262,14 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         dataset = dataset.rename_column(old, new)
     if do_dataset_tokenization:
         from sfttool.utils.templates import is_hf_chat_template
-        require_conversation(dataset)
+        require_conversation(dataset, map_fn, source)
         dataset = require_rows(drop_empty(dataset, report), report)
         remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
         dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, is_hf_chat_template(template),
                          remove, num_proc, source)
         count_truncated(dataset, report)
         if input_ids_with_output:
-            dataset = require_rows(drop_untrained(dataset, report), report)
+            dataset = require_rows(drop_untrained(dataset, report, max_length), report)
         stage("encoded", dataset)
         table = to_table(dataset)
         count_tokens(table, report)
@@ -344,8 +331,8 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     ``use_varlen_attn`` only matters to the collate fn and model (rows always
     carry per-sample position_ids); as in XTuner it requires packing.
     """
-    _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
-                    max_dataset_length)
+    check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
+                   max_dataset_length)
     args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
                 dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn,
                 max_dataset_length=max_dataset_length, split=split, remove_unused_columns=remove_unused_columns,
@@ -355,7 +342,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
-        return cached_pipeline(cache_dir, args)
+        return cached_pipeline(cache_dir, args, run_pipeline)
     result, report = run_pipeline(**args)
     log_report(report, max_length)
     return result
@@ -366,7 +353,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
 process_hf_dataset.build_args_lazily = ("dataset",)
 
 
-def _check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
+def check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                     max_dataset_length=None) -> None:
     from sfttool.dataset.pack import STRATEGIES
     check_positive_int(max_length, "max_length")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.errors import DatasetError
 from sfttool.registry import MAP_FUNC, build_if_config
 
 
@@ -24,15 +24,19 @@ def dataset_config(dataset: Any) -> Any:
 
 def resolve_dataset(dataset: Any, split: str, validate: bool = True):
     """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``)."""
-    from datasets import DatasetDict
     if validate:
         validate_json_source(dataset)
-    dataset = build_if_config(dataset, "dataset")
-    if isinstance(dataset, DatasetDict):
-        if split not in dataset:
-            raise DatasetError(f"dataset has no split {split!r} (it has {', '.join(dataset)}); set split=...")
-        dataset = dataset[split]
-    return dataset
+    return pick_split(build_if_config(dataset, "dataset"), split)
+
+
+def pick_split(dataset: Any, split: str) -> Any:
+    """``dataset[split]`` of a dict of splits (map-style or streamed); any other dataset as it is."""
+    from datasets import DatasetDict, IterableDatasetDict
+    if not isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        return dataset
+    if split not in dataset:
+        raise DatasetError(f"dataset has no split {split!r} (it has {', '.join(dataset)}); set split=...")
+    return dataset[split]
 
 
 def json_source_files(dataset_cfg: Any) -> list[str]:
@@ -99,30 +103,6 @@ def _user_value_error(fn: Callable, *args: Any) -> Any:
         raise
     except ValueError as exc:
         raise DatasetError(str(exc)) from None
-
-
-def fn_name(fn: Callable) -> str:
-    """A function's name, a ``functools.partial``'s too."""
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
-
-
-class SafeMapFn:
-    """Wrap a map fn (``role``: the config key it came from) so a failing row is reported with its index
-    and the fn's name; the fn sees the row without sfttool's row-number column."""
-
-    def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn"):
-        self.fn, self.source, self.role = fn, source, role
-        self.name = fn_name(fn)
-
-    def __call__(self, row: dict, index: int) -> dict:
-        if ROW_COLUMN in row:
-            index = row[ROW_COLUMN]
-            row = {k: v for k, v in row.items() if k != ROW_COLUMN}
-        try:
-            return self.fn(row)
-        except Exception as exc:  # a user fn may raise anything: report where
-            where = f"{self.source}, row {index}" if self.source else f"row {index}"
-            raise DatasetError(f"{where}: {self.role} {self.name} failed: {type(exc).__name__}: {exc}") from None
 
 
 def source_name(dataset_cfg: Any) -> str | None:

@@ -20,82 +20,21 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-import numpy as np
 import torch
 
-from sfttool.dataset.encode import check_conversation, encode_batch
+from sfttool.dataset.conversation import check_conversation, is_empty
+from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import DatasetError, check_positive_int, where
-from sfttool.dataset.pack import best_fit_decreasing
-from sfttool.dataset.pipeline import log
-from sfttool.dataset.resolve import SafeMapFn, dataset_config, fn_name, source_name
+# concat_samples and pack_buffer are imported from here too (benchmarks).
+from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_stream, single_sample_row  # noqa: F401
+from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
+from sfttool.dataset.report import PipelineReport, log, warning_lines
+from sfttool.dataset.resolve import dataset_config, pick_split, source_name
+from sfttool.dataset.stages import (check_dicts, count_notes, drop_empty_rows, drop_untrained_rows, map_rows,
+                                    missing_conversation)
 from sfttool.registry import BUILDER, build_if_config
-
-Sample = dict[str, Any]  # {'input_ids': [...], 'labels': [...]}: one encoded conversation
-
-
-def concat_samples(samples: list[Sample]) -> Sample:
-    """Join encoded samples into one row with restarting ``position_ids``.
-
-    >>> concat_samples([{'input_ids': [1, 2], 'labels': [-100, 2]}, {'input_ids': [3], 'labels': [3]}])
-    {'input_ids': [1, 2, 3], 'labels': [-100, 2, 3], 'position_ids': [0, 1, 0], 'sample_lengths': [2, 1]}
-    """
-    row: Sample = {"input_ids": [], "labels": [], "position_ids": [], "sample_lengths": []}
-    for s in samples:
-        n = len(s["input_ids"])
-        row["input_ids"].extend(s["input_ids"])
-        row["labels"].extend(s["labels"])
-        row["position_ids"].extend(range(n))
-        row["sample_lengths"].append(n)
-    return row
-
-
-def pack_buffer(samples: list[Sample], max_length: int, final: bool) -> tuple[list[Sample], list[Sample]]:
-    """Pack one buffer: return (full rows, samples carried into the next buffer).
-
-    Unless ``final``, rows at most half full are carried over rather than
-    emitted; best fit leaves at most one such row, so the carry is bounded by
-    ``max_length`` tokens.
-    """
-    lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
-    if len(lengths) and lengths.max() > max_length:
-        raise DatasetError(f"an encoded sample has {lengths.max()} tokens, more than max_length={max_length}; "
-                           "truncate to max_length when encoding")
-    bins = best_fit_decreasing(lengths, max_length) if len(lengths) else []
-    rows, carry = [], []
-    for b in bins:
-        members = [samples[i] for i in sorted(b)]  # keep stream order inside a row
-        if not final and 2 * sum(len(s["input_ids"]) for s in members) <= max_length:
-            carry.extend(members)
-        else:
-            rows.append(concat_samples(members))
-    return rows, carry
-
-
-def pack_stream(samples: Iterable[Sample], max_length: int, buffer_size: int,
-                rng: random.Random | None) -> Iterator[Sample]:
-    """Pack an endless or finite stream buffer by buffer, rows shuffled within a buffer by ``rng``
-    (in packing order when it is None)."""
-    buffer: list[Sample] = []
-    for sample in samples:
-        buffer.append(sample)
-        if len(buffer) >= buffer_size:
-            rows, buffer = pack_buffer(buffer, max_length, final=False)
-            if rng is not None:
-                rng.shuffle(rows)
-            yield from rows
-    rows, _ = pack_buffer(buffer, max_length, final=True)
-    if rng is not None:
-        rng.shuffle(rows)
-    yield from rows
-
-
-def single_sample_row(sample: Sample) -> Sample:
-    """An unpacked row: one sample, positions from 0."""
-    return concat_samples([sample])
 
 
 # ---------------------------------------------------------------------------
@@ -150,27 +89,7 @@ def chunks(rows: Iterable, size: int) -> Iterator[list]:
 
 
 # ---------------------------------------------------------------------------
-# Encoding, with what each pass dropped or cut counted.
-
-DROP_EMPTY = "empty conversation"  # the reasons process_hf_dataset logs
-DROP_UNTRAINED = "no trained token (answer empty, masked or truncated away)"
-
-
-@dataclass
-class PassStats:
-    """What one reader's pass did; logged when the pass ends, as process_hf_dataset logs its stages."""
-    rows_in: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
-    truncated: int = 0
-    tokens_cut: int = 0
-    samples: int = 0
-    rows_out: int = 0
-    tokens: int = 0
-
-    def drop(self, reason: str, count: int) -> None:
-        if count:
-            self.dropped[reason] = self.dropped.get(reason, 0) + count
-
+# Encoding: process_hf_dataset's stages (``stages``, ``encode``) on each chunk of rows.
 
 def reader_name(reader: tuple[int, int, int, int]) -> str:
     """``(1, 2, 0, 2) -> 'rank 1, dataloader worker 0'``; empty for the only reader."""
@@ -179,27 +98,19 @@ def reader_name(reader: tuple[int, int, int, int]) -> str:
     return ", ".join(parts)
 
 
-def log_pass(stats: PassStats, epoch: int, reader: tuple[int, int, int, int], max_length: int) -> None:
+def log_pass(stats: PipelineReport, epoch: int, reader: tuple[int, int, int, int], max_length: int) -> None:
     name = reader_name(reader)
     who = f"Stream epoch {epoch}" + (f" ({name})" if name else "")
     log(f"{who}: {stats.rows_in} rows in, {stats.samples} samples in {stats.rows_out} rows out, "
         f"{stats.tokens} tokens")
-    for reason, count in stats.dropped.items():
-        log(f"{who}: dropped {count} rows: {reason}", logging.WARNING)
-    if stats.truncated:
-        log(f"{who}: truncated {stats.truncated} samples at max_length={max_length} "
-            f"({stats.tokens_cut} tokens cut)", logging.WARNING)
-
-
-def _is_empty(conversation: Any) -> bool:
-    """Dropped and counted, as process_hf_dataset drops an empty or null conversation."""
-    return conversation is None or (isinstance(conversation, list) and not conversation)
+    for line in warning_lines(stats, max_length):
+        log(f"{who}: {line}", logging.WARNING)
 
 
 class StreamingEncoder:
-    """``(row number, raw row)`` -> encoded samples through the same stages as ``process_hf_dataset``:
-    dataset map fn, template map fn, encode (truncated to ``max_length``). Rows with an empty
-    conversation or without a trained token are dropped; drops and cuts are counted in a ``PassStats``."""
+    """``(row number, raw row)`` chunks -> encoded samples through ``process_hf_dataset``'s stage
+    functions: dataset map fn, template map fn, drop empty, encode (truncated to ``max_length``),
+    drop rows without a trained token; counts go to a ``PipelineReport``."""
 
     def __init__(self, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
                  template_map_fn: Any = None, input_ids_with_output: bool = True):
@@ -213,83 +124,74 @@ class StreamingEncoder:
         self.template_map_fn = None if self.hf_chat_template else resolve_template_map_fn(template_map_fn)
         self.input_ids_with_output = input_ids_with_output
 
-    def standard(self, row: Any, index: int, source: str | None) -> dict:
-        """One raw row in the standard format; an error names the file, row and stage."""
-        if not isinstance(row, Mapping):
-            raise DatasetError(f"{where(index, source)}: expected a dict (one JSON object per row), "
-                               f"got {type(row).__name__}")
+    def standard(self, rows: list[Any], numbers: list[int], source: str | None, stats: PipelineReport) -> list:
+        """Raw rows -> their conversations (map fn, then template); errors name the file, row and stage."""
+        check_dicts(rows, numbers, source)
         if self.dataset_map_fn is not None:
-            mapped = SafeMapFn(self.dataset_map_fn, source)(row, index)
-            if not isinstance(mapped, Mapping):
-                raise DatasetError(f"{where(index, source)}: dataset_map_fn {fn_name(self.dataset_map_fn)} "
-                                   f"returned {type(mapped).__name__}, not a dict")
-            row = {**row, **mapped}
-        if "conversation" not in row:
-            raise DatasetError(f"{where(index, source)}: no `conversation` {self._conversation_hint(row)}")
+            mapped, notes = map_rows(rows, numbers, self.dataset_map_fn, source)
+            count_notes(stats, notes, numbers)
+            rows = [{**row, **m} for row, m in zip(rows, mapped)]
+        for row, number in zip(rows, numbers):
+            if "conversation" not in row:
+                raise DatasetError(f"{where(number, source)}: " + missing_conversation(row, self.dataset_map_fn))
+            if self.template_map_fn is not None and not is_empty(row["conversation"]):
+                # A bad turn would fail in the template, unnamed.
+                check_conversation(row["conversation"], number, source, need_output=self.input_ids_with_output)
         if self.template_map_fn is not None:
-            if not _is_empty(row["conversation"]):  # a bad turn would fail in the template, unnamed
-                check_conversation(row["conversation"], index, source, need_output=self.input_ids_with_output)
-            row = {**row, **SafeMapFn(self.template_map_fn, source, role="template_map_fn")(row, index)}
-        return row
+            templated, _ = map_rows(rows, numbers, self.template_map_fn, source, role="template_map_fn")
+            rows = [{**row, **t} for row, t in zip(rows, templated)]
+        return [row["conversation"] for row in rows]
 
-    def _conversation_hint(self, row: Mapping) -> str:
-        fields = ", ".join(map(str, row)) or "none"
-        if self.dataset_map_fn is None:
-            return (f"(fields: {fields}); data that is not in the standard format needs a dataset_map_fn "
-                    "(e.g. alpaca_map_fn, sharegpt_map_fn)")
-        return (f"after dataset_map_fn {fn_name(self.dataset_map_fn)} (fields: {fields}); it must return "
-                "{'conversation': [{'input': ..., 'output': ...}]}")
-
-    def __call__(self, rows: list[tuple[int, Any]], source: str | None, stats: PassStats) -> list[Sample]:
-        conversations = [(index, self.standard(row, index, source)["conversation"]) for index, row in rows]
+    def __call__(self, rows: list[tuple[int, Any]], source: str | None, stats: PipelineReport) -> list[Sample]:
+        numbers = [number for number, _ in rows]
+        conversations = self.standard([row for _, row in rows], numbers, source, stats)
         stats.rows_in += len(rows)
-        kept = [(index, c) for index, c in conversations if not _is_empty(c)]
-        stats.drop(DROP_EMPTY, len(rows) - len(kept))
-        if not kept:
+        keep = drop_empty_rows(stats, [is_empty(c) for c in conversations], numbers)
+        numbers = [n for n, k in zip(numbers, keep) if k]
+        if not numbers:
             return []
-        out = encode_batch({"conversation": [c for _, c in kept]}, [index for index, _ in kept], self.tokenizer,
-                           self.max_length, self.input_ids_with_output, self.hf_chat_template, source)
-        samples = []
-        for ids, labels, full, trained in zip(out["input_ids"], out["labels"], out["num_tokens"], out["num_trained"]):
-            if full > len(ids):
+        out = encode_batch({"conversation": [c for c, k in zip(conversations, keep) if k]}, numbers,
+                           self.tokenizer, self.max_length, self.input_ids_with_output, self.hf_chat_template,
+                           source)
+        for full, kept in zip(out["num_tokens"], out["length"]):
+            if full > kept:
                 stats.truncated += 1
-                stats.tokens_cut += full - len(ids)
-            if trained or not self.input_ids_with_output:  # process_hf_dataset keeps these too
-                samples.append({"input_ids": ids, "labels": labels})
-        stats.drop(DROP_UNTRAINED, len(kept) - len(samples))
-        return samples
+                stats.tokens_cut += full - kept
+        if self.input_ids_with_output:  # else process_hf_dataset keeps rows without labels too
+            keep = drop_untrained_rows(stats, out["num_trained"], out["first_trained"], numbers, self.max_length)
+        else:
+            keep = [True] * len(numbers)
+        return [{"input_ids": ids, "labels": labels}
+                for ids, labels, k in zip(out["input_ids"], out["labels"], keep) if k]
 
 
 # ---------------------------------------------------------------------------
 # Settings: process_hf_dataset's arguments, and what each means for a stream.
 
 def check_settings(max_length: int, buffer_size: int, encode_chunk: int, rows_per_epoch: int | None,
-                   pack_to_max_length: bool, use_varlen_attn: bool, pack_strategy: str) -> None:
-    check_positive_int(max_length, "max_length")
-    check_positive_int(buffer_size, "buffer_size")
-    check_positive_int(encode_chunk, "encode_chunk")
-    if rows_per_epoch is not None:
-        check_positive_int(rows_per_epoch, "rows_per_epoch", " (the packed rows one rank reads per pass)")
-    if use_varlen_attn and not pack_to_max_length:
-        raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
+                   pack_to_max_length: bool, use_varlen_attn: bool, pack_strategy: str,
+                   with_image_token: bool) -> None:
+    """process_hf_dataset's checks, and what a stream needs besides."""
     if pack_strategy == "concat":
         raise DatasetError("pack_strategy='concat' (XTuner's cut, which splits samples across rows) is not "
                            "available when streaming: rows are packed best-fit-decreasing within a buffer and "
                            "no sample is split; remove pack_strategy, or use process_hf_dataset")
     if pack_strategy != "bfd":
         raise DatasetError(f"pack_strategy must be 'bfd' when streaming, got {pack_strategy!r}")
+    check_pipeline_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token)
+    check_positive_int(buffer_size, "buffer_size")
+    check_positive_int(encode_chunk, "encode_chunk")
+    if rows_per_epoch is not None:
+        check_positive_int(rows_per_epoch, "rows_per_epoch", " (the packed rows one rank reads per pass)")
 
 
-def refuse_changed_results(max_dataset_length: int | None, rename_maps: Any, with_image_token: bool,
-                           do_dataset_tokenization: bool) -> None:
+def refuse_changed_results(max_dataset_length: int | None, rename_maps: Any, do_dataset_tokenization: bool) -> None:
     """process_hf_dataset's arguments a stream cannot honour: ignoring them would change the rows."""
     if max_dataset_length is not None:
         raise DatasetError("max_dataset_length (a seeded random subset of a dataset of known length) is not "
                            "available when streaming; remove it, or stream a smaller source")
     if rename_maps:
         raise DatasetError("rename_maps is not available when streaming; rename the fields in a dataset_map_fn")
-    if with_image_token:
-        raise DatasetError("with_image_token (multimodal data) is not supported")
     if not do_dataset_tokenization:
         raise DatasetError("do_dataset_tokenization=False (pre-tokenized rows) is not available when streaming; "
                            "use process_hf_dataset or sfttool process-dataset")
@@ -311,13 +213,7 @@ def warn_not_applicable(given: dict[str, Any]) -> None:
 
 def resolve_source(dataset: Any, split: str) -> Any:
     """The built source of raw rows: ``split`` of a dict of splits, and never a one-shot iterator."""
-    from datasets import DatasetDict, IterableDatasetDict
-
-    dataset = build_if_config(dataset, "dataset")
-    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
-        if split not in dataset:
-            raise DatasetError(f"dataset has no split {split!r} (it has {', '.join(dataset)}); set split=...")
-        dataset = dataset[split]
+    dataset = pick_split(build_if_config(dataset, "dataset"), split)
     try:
         one_shot = iter(dataset) is dataset
     except TypeError:
@@ -367,9 +263,9 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  max_dataset_length: int | None = None, rename_maps: Any = (), with_image_token: bool = False,
                  do_dataset_tokenization: bool = True, remove_unused_columns: bool | None = None,
                  map_num_proc: int | None = None, cache_dir: str | None = None):
+        refuse_changed_results(max_dataset_length, rename_maps, do_dataset_tokenization)
         check_settings(max_length, buffer_size, encode_chunk, rows_per_epoch, pack_to_max_length,
-                       use_varlen_attn, pack_strategy)
-        refuse_changed_results(max_dataset_length, rename_maps, with_image_token, do_dataset_tokenization)
+                       use_varlen_attn, pack_strategy, with_image_token)
         warn_not_applicable(dict(map_num_proc=map_num_proc, remove_unused_columns=remove_unused_columns,
                                  cache_dir=cache_dir))
         dataset = dataset_config(dataset)
@@ -387,7 +283,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
         # In shared memory: persistent dataloader workers keep their copy of this dataset
         # between passes and must still see the epoch the main process sets.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-        self.pass_stats: PassStats | None = None  # the last pass read in this process
+        self.pass_stats: PipelineReport | None = None  # the last pass read in this process
 
     def __len__(self) -> int:
         if self.rows_per_epoch is None:
@@ -411,7 +307,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             return f"{self.source or 'dataset'}, the rows read by {reader_name(reader)}"
         return self.source
 
-    def _samples(self, rows: Iterable[tuple[int, Any]], source: str | None, stats: PassStats) -> Iterator[Sample]:
+    def _samples(self, rows: Iterable[tuple[int, Any]], source: str | None, stats: PipelineReport) -> Iterator[Sample]:
         for chunk in chunks(rows, self.encode_chunk):
             samples = self.encoder(chunk, source, stats)
             stats.samples += len(samples)
@@ -419,7 +315,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Sample]:
         reader, epoch = _reader(), self.epoch
-        stats = self.pass_stats = PassStats()
+        stats = self.pass_stats = PipelineReport()
         samples = self._samples(_shard(self.dataset, *reader, epoch), self._share_name(reader), stats)
         if not self.pack_to_max_length:
             rows: Iterator[Sample] = map(single_sample_row, samples)

@@ -15,7 +15,6 @@ differently from the tokenizer's own ``chat_template``.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import numpy as np
@@ -82,9 +81,10 @@ def pipeline_args(node: dict) -> dict:
 def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
     standard = "conversation" in raw.column_names
     if map_fn is None and not standard:
-        findings.error(f"the data is not in the standard format (columns: {', '.join(raw.column_names)}) and "
-                       "dataset_map_fn=None: set dataset_map_fn to the map fn of your format (e.g. "
-                       "alpaca_map_fn, sharegpt_map_fn) or convert the data to {'conversation': [...]}")
+        from sfttool.dataset.stages import missing_conversation
+        first = raw[0] if len(raw) else dict.fromkeys(raw.column_names)
+        findings.error(f"row 0: {missing_conversation(first, None)}, or convert the data to "
+                       "{'conversation': [...]}")
     if map_fn is not None and standard and len(raw.column_names) == 1:
         findings.error("the data is already in the standard `conversation` format but a dataset_map_fn is "
                        "set: set dataset_map_fn=None")
@@ -94,19 +94,11 @@ def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
 
 
 def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
-    """Run the map fn and the schema check on every row; list the first errors."""
-    from sfttool.dataset.encode import check_conversation
-    from sfttool.dataset.resolve import SafeMapFn
-    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
+    """Run the pipeline's map fn stage and the schema check on every row; list the first errors."""
     found = 0
     for index, row in enumerate(dataset):
         try:
-            row = safe(row, index) if safe else row
-            if not row.get("conversation"):
-                raise DatasetError(f"{_at(source, index)}: empty or missing `conversation` (this row "
-                                   "would be dropped)")
-            check_conversation(row["conversation"], index, source)
-            _check_roles(row["conversation"], index, source)
+            check_row(row, index, map_fn, source)
         except DatasetError as exc:
             found += 1
             if found <= max_errors:
@@ -115,14 +107,18 @@ def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_erro
         findings.error(f"... and {found - max_errors} more rows with errors")
 
 
-def _check_roles(conversation: list[dict], index: int, source: str | None) -> None:
-    known = {"system", "input", "output", "output_with_loss", "need_eos_token", "sep"}
-    for i, turn in enumerate(conversation):
-        unknown = sorted(k for k, v in turn.items() if k not in known and v is not None)
-        if unknown:
-            raise DatasetError(f"{_at(source, index)}, field 'conversation[{i}]': unknown keys "
-                               f"{', '.join(unknown)}; a turn has system (first turn only), input, output "
-                               "and optionally output_with_loss")
+def check_row(row: dict, index: int, map_fn, source: str | None) -> None:
+    """One raw row through the map fn stage, then strictly against the standard schema: a row the
+    pipeline would drop whole is an error here."""
+    from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty
+    from sfttool.dataset.stages import map_rows
+    if map_fn is not None:
+        row = map_rows([row], [index], map_fn, source)[0][0]
+    conversation = row.get("conversation")
+    if is_empty(conversation):
+        raise DatasetError(f"{_at(source, index)}: empty or missing `conversation` (this row would be dropped)")
+    check_conversation(conversation, index, source)
+    check_turn_keys(conversation, index, source)
 
 
 def _at(source: str | None, index: int) -> str:
@@ -130,54 +126,19 @@ def _at(source: str | None, index: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Template checks.
-
-MARKER = re.compile(r"</?\|?[A-Za-z_][\w\-]*\|?>")
-
+# Template checks (the train entry runs the same: ``sfttool.dataset.template_check``).
 
 def check_markers(template: Any, tokenizer, findings: Findings) -> None:
-    """Warn when a role marker of the template is several tokens for this tokenizer."""
-    if template is None or template.get("HF_CHAT_TEMPLATE"):
-        return
-    texts = [str(template.get(f) or "") for f in ("SYSTEM", "INSTRUCTION", "SUFFIX", "SEP")]
-    for marker in sorted({m for t in texts for m in MARKER.findall(t)}):
-        ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
-        if len(ids) > 1:
-            findings.warn(f"template marker {marker!r} is {len(ids)} tokens for this tokenizer "
-                          f"({tokenizer.convert_ids_to_tokens(ids)}): it is not a special token of this "
-                          "model, so the template probably belongs to another model family")
-
-
-PROBE = [{"system": "You are a helpful assistant.", "input": "Hello?", "output": "Hi there."},
-         {"input": "How are you?", "output": "Fine, thanks."}]
-
-
-def template_text(template: Any, tokenizer, conversation: list[dict]) -> str:
-    """What the built-in template renders, with BOS/EOS written as their token text."""
-    from sfttool.dataset.encode import template_pieces
-    from sfttool.dataset.map_fns import template_map_fn_factory
-    turns = template_map_fn_factory(template)({"conversation": conversation})["conversation"]
-    words = {"bos": tokenizer.bos_token or "", "eos": tokenizer.eos_token or ""}
-    return "".join(text if kind == "text" else words[kind] for kind, text, _ in template_pieces(turns))
+    from sfttool.dataset.template_check import split_markers
+    for warning in split_markers(template, tokenizer):
+        findings.warn(warning)
 
 
 def check_against_chat_template(template: Any, tokenizer, findings: Findings) -> None:
-    from sfttool.dataset.encode import to_messages
-    if template is None or template.get("HF_CHAT_TEMPLATE") or not getattr(tokenizer, "chat_template", None):
-        return
-    for probe in (PROBE, [{k: v for k, v in t.items() if k != "system"} for t in PROBE]):
-        try:
-            theirs = tokenizer.apply_chat_template(to_messages(probe), tokenize=False)
-        except Exception:  # some chat templates reject a system role: retry without
-            continue
-        ours = template_text(template, tokenizer, probe)
-        if ours.rstrip() != theirs.rstrip():
-            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            findings.warn("the configured template renders differently from the tokenizer's chat_template "
-                          f"(first difference at character {at}):\n  template:      {ours[max(0, at - 30):at + 40]!r}"
-                          f"\n  chat_template: {theirs[max(0, at - 30):at + 40]!r}\n  use "
-                          "PROMPT_TEMPLATE.hf_chat_template to train on exactly the model's own format")
-        return
+    from sfttool.dataset.template_check import template_mismatch
+    mismatch = template_mismatch(template, tokenizer)
+    if mismatch:
+        findings.warn(mismatch)
 
 
 # ---------------------------------------------------------------------------
@@ -206,12 +167,26 @@ def _short(value: Any, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
+def show_row(row: dict) -> str:
+    """One field a line; the ``conversation`` whole, a turn a line (it is what gets trained), other
+    fields shortened."""
+    lines = []
+    for key, value in row.items():
+        if key == ROW_COLUMN:
+            continue
+        if key == "conversation" and isinstance(value, list):
+            lines.append("conversation:")
+            lines += [f"  [{i}] {turn!r}" for i, turn in enumerate(value)]
+        else:
+            lines.append(f"{key}: {_short(value)}")
+    return "\n".join(lines)
+
+
 def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
     names = {"loaded": "raw row", "map_fn": "after dataset_map_fn", "template": "after template_map_fn"}
     for key, title in names.items():
         if key in report.stages and len(report.stages[key]):
-            row = {k: v for k, v in report.stages[key][0].items() if k != ROW_COLUMN}
-            echo(f"\n== {title} (row 0) ==\n{_short(row)}")
+            echo(f"\n== {title} (row 0) ==\n{show_row(report.stages[key][0])}")
     encoded = report.stages.get("encoded")
     if encoded is not None and len(encoded):
         row = encoded[0]
@@ -229,9 +204,10 @@ def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
 def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     lengths = np.asarray(report.sample_lengths)
     echo("\n== statistics ==")
+    from sfttool.dataset.report import drop_lines
     echo(f"rows in: {report.rows_in}   rows out: {report.rows_out}")
-    for reason, count in report.dropped.items():
-        echo(f"dropped: {count} rows ({reason})")
+    for line in drop_lines(report):
+        echo(line)
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
         echo(f"sample length (tokens): min {lengths.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {lengths.max()}")
@@ -319,6 +295,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True)
     dataset, report = _guard(findings, run_pipeline, **run_args) or (None, None)
     if report is not None:
+        from sfttool.dataset.report import change_lines
+        for line in change_lines(report):
+            findings.warn(line)
         print_stages(report, tokenizer, echo, color)
         print_stats(report, args, batch_size, echo)
 

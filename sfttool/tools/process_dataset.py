@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.pack import packing_efficiency
 from sfttool.registry import BUILDER, build, resolve_type
 
 MANIFEST = "manifest.json"
@@ -81,8 +82,7 @@ def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> 
     """Rows, tokens, trained tokens, packing efficiency and a content fingerprint,
     one Arrow batch at a time (memory stays at one batch).
 
-    Packing efficiency = tokens / (rows x max_length): the share of each row's
-    ``max_length`` slots that hold real tokens rather than padding. The
+    Packing efficiency is ``pack.packing_efficiency``: tokens / (rows x max_length). The
     fingerprint hashes the token columns, so equal data gives an equal value.
     """
     import pyarrow.compute as pc
@@ -102,7 +102,7 @@ def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> 
         if "labels" in columns:
             labels = pc.list_flatten(table["labels"])
             trained += pc.sum(pc.not_equal(labels, -100).cast("int64")).as_py() or 0
-    efficiency = tokens / (rows * max_length) if rows and max_length else None
+    efficiency = packing_efficiency(tokens, rows, max_length)
     return {"rows": rows, "tokens": tokens, "trained_tokens": trained,
             "packing_efficiency": None if efficiency is None else round(efficiency, 4),
             "fingerprint": digest.hexdigest()[:16]}
@@ -158,7 +158,8 @@ def _shard_datasets(node: dict, shard_rows: int):
                 "only map-style datasets (process_hf_dataset) can be saved")
         yield dataset
         return
-    from sfttool.dataset.pipeline import PipelineReport, number_rows, select_rows
+    from sfttool.dataset.pipeline import number_rows, select_rows
+    from sfttool.dataset.report import PipelineReport
     from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
 
     # Built once for all shards; the saved folder replaces any pipeline cache.
@@ -196,7 +197,7 @@ def _manifest(cfg, node: dict, shards: list[dict], num_proc: int | None, shard_r
 
     max_length = node.get("max_length")
     totals = {k: sum(s[k] for s in shards) for k in ("rows", "tokens", "trained_tokens")}
-    efficiency = totals["tokens"] / (totals["rows"] * max_length) if totals["rows"] and max_length else None
+    efficiency = packing_efficiency(totals["tokens"], totals["rows"], max_length)
     fingerprint = hashlib.sha256(" ".join(s["fingerprint"] for s in shards).encode()).hexdigest()[:16]
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -240,7 +241,7 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
     """
     import datasets
 
-    from sfttool.dataset.pipeline import log
+    from sfttool.dataset.report import log
     manifest = read_manifest(path)
     if expected_fingerprint is not None and manifest["fingerprint"] != expected_fingerprint:
         raise ProcessedDatasetError(

@@ -370,3 +370,14 @@ def test_chat_template_llama3_like_layout(tiny_tokenizer_bos_dir):
     assert trained == expected
     prompt = encode_prompt([TWO_TURNS[0], {"input": "one two?"}], tok, PROMPT_TEMPLATE.hf_chat_template)
     assert out["input_ids"][:len(prompt)] == prompt and out["labels"][len(prompt)] != IGNORE
+
+
+def test_hf_chat_template_mode_passes_turns_as_written_without_empty_user_messages(tiny_tokenizer):
+    from sfttool.dataset.encode import to_messages
+    conversation = [{"input": "Q", "output": "A"}, {"input": "", "output": "more"}]
+    assert to_messages(conversation) == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                                         {"role": "assistant", "content": "more"}]
+    out = encode_batch({"conversation": [conversation]}, [0], tiny_tokenizer, 256, hf_chat_template=True)
+    text = tiny_tokenizer.decode(out["input_ids"][0])
+    assert text == ("<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+                    "<|im_start|>assistant\nmore<|im_end|>\n")

@@ -185,3 +185,33 @@ def test_field_argument_reads_the_rows_under_it(tmp_path):
         check_json_file(path, field="data")
     with pytest.raises(DatasetError, match=r"no top-level field 'rows'"):
         check_json_file(path, field="rows")
+
+
+def test_json_errors_read_once_at_column(tmp_path):
+    # json's message "Unterminated string starting at" used to read "... starting at at column 16".
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD) + '\n{"conversation": "unfinished', encoding="utf-8")
+    with pytest.raises(DatasetError) as exc:
+        check_json_file(path)
+    assert str(exc.value) == (f"{path}, line 2: invalid JSON (Unterminated string starting at column 18); each "
+                              "line must be one JSON object (or the file one JSON array)")
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_repeated_keys_are_one_error_counting_the_rows_and_naming_the_first(tmp_path, suffix):
+    # Arrow's JSON reader refuses them ("Column(/conversation/[]/output) was specified twice in row 1").
+    twice = '{"conversation": [{"input": "q", "output": "a", "output": "b"}]}'
+    top = '{"conversation": [{"input": "q", "output": "a"}], "id": 1, "id": 2}'
+    rows = [json.dumps(GOOD), twice, json.dumps(GOOD), top] + [twice] * 6
+    text = "\n".join(rows) if suffix == "jsonl" else "[" + ",\n".join(rows) + "]"
+    path = tmp_path / f"d.{suffix}"
+    path.write_text(text + "\n", encoding="utf-8")
+    first = ["line 2 (row 1) ('output')", "line 4 (row 3) ('id')", "line 5 (row 4) ('output')",
+             "line 6 (row 5) ('output')", "line 7 (row 6) ('output')"]
+    if suffix == "json":
+        first = ["row 1 ('output')", "row 3 ('id')", "row 4 ('output')", "row 5 ('output')", "row 6 ('output')"]
+    with pytest.raises(DatasetError) as exc:
+        check_json_file(path)
+    assert str(exc.value) == (f"{path}: 8 rows have an object with a repeated key, which the JSON reader refuses: "
+                              f"{', '.join(first)} and 3 more; keep one value per key")
+    assert check_json_file(write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)] * 3)) == 3

@@ -144,10 +144,35 @@ def test_openai():
     ]}
 
 
-def test_openai_consecutive_user_messages_are_concatenated():
+def test_openai_consecutive_messages_of_one_role_are_joined_with_a_blank_line_and_noted():
+    # Glued without a separator ("ab"), two messages read as one word; an assistant message after another
+    # became a turn with an empty question.
     row = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                        {"role": "assistant", "content": "c", "loss": True}]}
-    assert openai_map_fn(row) == {"conversation": [{"input": "ab", "output": "c", "output_with_loss": True}]}
+                        {"role": "assistant", "content": "c", "loss": True},
+                        {"role": "assistant", "content": "d", "loss": False}]}
+    notes = []
+    assert openai_map_fn(row, notes) == {"conversation": [{"input": "a\n\nb", "output": "c\n\nd",
+                                                           "output_with_loss": True}]}
+    assert notes == ["two user messages in a row (joined with a blank line)",
+                     "two assistant messages in a row (joined with a blank line)"]
+
+
+@pytest.mark.parametrize("fn, row", [
+    (sharegpt_map_fn, {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"},
+                                         {"from": "gpt", "value": "A"}, {"from": "human", "value": "more?"}]}),
+    (openai_map_fn, {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Q"},
+                                  {"role": "assistant", "content": "A"}, {"role": "user", "content": "more?"}]}),
+    (oasst1_map_fn, {"text": "### Assistant: Hi!### Human: Q### Assistant: A### Human: more?"}),
+    (wizardlm_map_fn, {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"},
+                                         {"from": "gpt", "value": "A"}, {"from": "human", "value": "more?"}]}),
+])
+def test_message_map_fns_note_what_they_dropped(fn, row):
+    notes = []
+    conversation = fn(row, notes)["conversation"]
+    assert [(t["input"], t["output"]) for t in conversation] == [("Q", "A")]
+    assert notes == ["conversation starts with an assistant message (dropped: nothing asked it)",
+                     "final user message without an answer (dropped)"]
+    assert fn(row) == fn(row, [])  # notes change nothing in the row
 
 
 def test_wizardlm():

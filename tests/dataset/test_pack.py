@@ -135,7 +135,8 @@ def test_first_set_index():
 
 
 def test_packed_dataset_fingerprint_follows_content():
-    from sfttool.dataset.pipeline import PipelineReport, finish_rows
+    from sfttool.dataset.pipeline import finish_rows
+    from sfttool.dataset.report import PipelineReport
 
     def packed(table):
         return finish_rows(table, True, 128, "bfd", True, 0, PipelineReport())

@@ -10,6 +10,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 
 from sfttool import assets
 from sfttool.dataset import DatasetError, process_hf_dataset
+from sfttool.dataset.encode import encode_prompt
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.utils import PROMPT_TEMPLATE
 
@@ -110,11 +111,30 @@ def test_drops_are_counted_and_logged(tiny_tokenizer):
             {"conversation": [{"input": "q", "output": "answer"}]}]
     ds, text = logged(run, data, tiny_tokenizer, max_length=32, pack_to_max_length=True)
     assert len(ds) == 1 and ds[0]["sample_lengths"] == [ds[0]["length"]]
-    assert "4 rows in, 1 rows out" in text
-    assert "dropped 1 rows: empty conversation" in text
-    assert "dropped 2 rows: no trained token" in text
-    assert "truncated 1 samples at max_length=32" in text  # then dropped: its answer was cut away
+    prompt = len(encode_prompt([{"input": "hello " * 100}], tiny_tokenizer, "qwen_chat"))
+    lines = text.splitlines()
+    assert lines[:5] == [
+        "Dataset: 4 rows in, 1 rows out",
+        "Dataset: dropped 1 rows: empty conversation (row 0)",
+        "Dataset: dropped 1 rows: answer masked away (output_with_loss=False on every turn) (row 1)",
+        f"Dataset: dropped 1 rows: prompt longer than max_length=32 (the answer was cut away) "
+        f"(row 2 (prompt of {prompt} tokens))",
+        f"Dataset: truncated 1 samples at max_length=32 ({len(encode_rows([data[2]], tiny_tokenizer)[0]) - 32} "
+        "tokens cut)"]
     assert "packing efficiency" in text
+
+
+def test_each_drop_cause_names_its_first_rows_and_counts_the_rest(tiny_tokenizer):
+    from sfttool.dataset.pipeline import run_pipeline
+    masked = {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]}
+    kept = {"conversation": [{"input": "q", "output": "a"}]}
+    rows = [masked if i % 2 else kept for i in range(16)]
+    _, report = run_pipeline(Dataset.from_list(rows), tiny_tokenizer, 64, template_map_fn=QWEN)
+    cause = "answer masked away (output_with_loss=False on every turn)"
+    assert report.dropped == {cause: 8}
+    assert report.drop_examples == {cause: ["row 1", "row 3", "row 5", "row 7", "row 9"]}
+    from sfttool.dataset.report import drop_lines
+    assert drop_lines(report) == [f"dropped 8 rows: {cause} (row 1, row 3, row 5, row 7, row 9 and 3 more)"]
 
 
 def test_concat_strategy_loses_nothing(rows, tiny_tokenizer):
@@ -146,9 +166,26 @@ def test_unknown_template_name_lists_valid(tiny_tokenizer):
             template_map_fn=dict(type=template_map_fn_factory, template="qwen_caht"))
 
 
-def test_raw_rows_without_map_fn(tiny_tokenizer):
-    with pytest.raises(DatasetError, match=r"no `conversation` \(columns: instruction, output\).*dataset_map_fn"):
+def test_raw_rows_without_map_fn_name_the_map_fn_their_fields_fit(tiny_tokenizer):
+    with pytest.raises(DatasetError) as exc:
         run([{"instruction": "q", "output": "a"}], tiny_tokenizer)
+    assert str(exc.value) == ("row 0: no `conversation` (fields: instruction, output); data that is not in the "
+                              "standard format needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn)")
+
+
+@pytest.mark.parametrize("row, fitting", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "openai_map_fn"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt_map_fn"),
+    ({"instruction": "q", "input": "", "output": "a"}, "alpaca_map_fn"),
+    ({"conversation": [{"input": "q", "output": "a"}]}, "dataset_map_fn=None"),
+])
+def test_a_map_fn_that_fails_on_the_fields_it_found_names_the_one_that_fits(tiny_tokenizer, row, fitting):
+    wrong = "oasst1_map_fn"
+    with pytest.raises(DatasetError) as exc:
+        run([row], tiny_tokenizer, dataset_map_fn=wrong, source="data.jsonl")
+    assert str(exc.value).startswith(f"data.jsonl, row 0: dataset_map_fn {wrong} failed: MapFnError: ")
+    setting = fitting if fitting.startswith("dataset_map_fn") else f"dataset_map_fn={fitting}"
+    assert str(exc.value).endswith(f" (the row's fields fit {fitting}: set {setting})")
 
 
 def test_bad_row_names_row_and_field(tiny_tokenizer):
@@ -202,7 +239,7 @@ def test_tokens_cut_counts_only_truncation(tiny_tokenizer):
     masked = {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]}
     ds, report = run_pipeline(Dataset.from_list([long, masked]), tiny_tokenizer, max_length=24, template_map_fn=QWEN)
     full = len(encode_rows([long], tiny_tokenizer)[0])
-    assert report.dropped == {"no trained token (answer empty, masked or truncated away)": 1}
+    assert report.dropped == {"answer masked away (output_with_loss=False on every turn)": 1}
     assert (report.truncated, report.tokens_cut) == (1, full - 24)
 
 
@@ -419,3 +456,60 @@ def test_row_numbers_stay_out_of_the_rows(tiny_tokenizer):
     data = [{"conversation": [{"input": "q", "output": "a"}], "id": i} for i in range(3)]
     out = run(data, tiny_tokenizer, pack_to_max_length=False)
     assert ROW_COLUMN not in out.column_names and out["id"] == [0, 1, 2]
+
+
+def test_encoding_never_pickles_the_tokenizer_and_its_fingerprint_follows_the_tokenizer(
+        tiny_tokenizer, tiny_tokenizer_bos, monkeypatch):
+    # datasets fingerprints a map by pickling its arguments: seconds for a real tokenizer, on every call.
+    from sfttool.dataset.pipeline import run_pipeline
+
+    def refuse(self, protocol):
+        raise AssertionError("the tokenizer was pickled")
+
+    monkeypatch.setattr(type(tiny_tokenizer), "__reduce_ex__", refuse)
+    rows = Dataset.from_list([{"conversation": [{"input": "q", "output": "a"}]}])
+
+    def encoded(tok):
+        _, report = run_pipeline(rows, tok, 64, template_map_fn=QWEN, keep_stages=True, map_num_proc=1)
+        return report.stages["encoded"]._fingerprint
+
+    assert encoded(tiny_tokenizer) == encoded(tiny_tokenizer)  # not a random one: computed, from the files
+    assert encoded(tiny_tokenizer) != encoded(tiny_tokenizer_bos)
+
+
+SHAREGPT_ROWS = [
+    {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+    {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"},
+                       {"from": "gpt", "value": "A"}]},
+    {"conversations": [{"from": "human", "value": "Q"}, {"from": "human", "value": "more"},
+                       {"from": "gpt", "value": "A"}, {"from": "human", "value": "bye"}]},
+]
+
+
+def test_rows_a_map_fn_changed_are_counted_and_named_as_in_a_stream(tiny_tokenizer):
+    from sfttool.dataset.pipeline import run_pipeline
+    from sfttool.dataset.report import change_lines
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    _, report = run_pipeline(Dataset.from_list(SHAREGPT_ROWS), tiny_tokenizer, 64, template_map_fn=QWEN,
+                             dataset_map_fn="sharegpt_map_fn")
+    assert change_lines(report) == [
+        "changed 1 rows: conversation starts with an assistant message (dropped: nothing asked it) (row 1)",
+        "changed 1 rows: two user messages in a row (joined with a blank line) (row 2)",
+        "changed 1 rows: final user message without an answer (dropped) (row 2)"]
+    stream = StreamingPackedDataset(SHAREGPT_ROWS, tiny_tokenizer, 64, dataset_map_fn="sharegpt_map_fn",
+                                    template_map_fn=QWEN)
+    list(stream)
+    assert (stream.pass_stats.changed, stream.pass_stats.change_examples) == (report.changed, report.change_examples)
+
+
+def test_a_map_fn_may_set_system_only_on_rows_that_have_one(tiny_tokenizer):
+    # datasets writes a map's output in batches of 1000 rows, each column with the type of the first:
+    # `system` (or `output_with_loss`) first seen after 1000 rows without it failed to cast.
+    plain = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    with_system = {"conversations": [{"from": "system", "value": "Be brief."}] + plain["conversations"]}
+    rows = [plain] * 1000 + [with_system] * 3
+    ds = run(rows, tiny_tokenizer, dataset_map_fn="sharegpt_map_fn", pack_to_max_length=False, max_length=64)
+    with_prompt = encode_rows([{"conversation": [{"system": "Be brief.", "input": "q", "output": "a"}]}],
+                              tiny_tokenizer)[0]
+    assert len(ds) == 1003 and ds[1002]["input_ids"] == with_prompt
+    assert ds[0]["input_ids"] == encode_rows([{"conversation": [{"input": "q", "output": "a"}]}], tiny_tokenizer)[0]

@@ -13,7 +13,8 @@ from sfttool import assets
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.dataset import streaming
-from sfttool.dataset.streaming import StreamingPackedDataset, concat_samples, pack_buffer, pack_stream
+from sfttool.dataset.pack import concat_samples, pack_buffer, pack_stream
+from sfttool.dataset.streaming import StreamingPackedDataset
 from sfttool.utils import PROMPT_TEMPLATE
 
 
@@ -475,7 +476,9 @@ def failing_template(row):
      "qa.jsonl, row 1: dataset_map_fn qa_map_fn failed: KeyError: 'a'"),
     ([{"instruction": "x", "output": "y"}], {},
      "qa.jsonl, row 0: no `conversation` (fields: instruction, output); data that is not in the standard format "
-     "needs a dataset_map_fn (e.g. alpaca_map_fn, sharegpt_map_fn)"),
+     "needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn)"),
+    ([{"text": "x"}], {}, "qa.jsonl, row 0: no `conversation` (fields: text); data that is not in the standard "
+                          "format needs a dataset_map_fn (e.g. alpaca_map_fn, sharegpt_map_fn)"),
     ([{"q": "hi"}], dict(dataset_map_fn=text_map_fn),
      "qa.jsonl, row 0: no `conversation` after dataset_map_fn text_map_fn (fields: q, text); it must return "
      "{'conversation': [{'input': ..., 'output': ...}]}"),
@@ -510,14 +513,15 @@ def test_each_pass_logs_what_it_dropped_and_cut_as_the_pipeline_counts_it(conver
         assert (s.rows_in, s.samples, s.rows_out, s.tokens) == (20, 18, len(out), sum(len(r["input_ids"]) for r in out))
         assert logged[4 * epoch:] == [
             (logging.INFO, f"Stream epoch {epoch}: 20 rows in, 18 samples in {len(out)} rows out, {s.tokens} tokens"),
-            (logging.WARNING, f"Stream epoch {epoch}: dropped 1 rows: empty conversation"),
-            (logging.WARNING, f"Stream epoch {epoch}: dropped 1 rows: no trained token (answer empty, masked or "
-                              "truncated away)"),
+            (logging.WARNING, f"Stream epoch {epoch}: dropped 1 rows: empty conversation (row 3)"),
+            (logging.WARNING, f"Stream epoch {epoch}: dropped 1 rows: answer masked away (output_with_loss=False "
+                              "on every turn) (row 5)"),
             (logging.WARNING, f"Stream epoch {epoch}: truncated 1 samples at max_length=256 "
                               f"({s.tokens_cut} tokens cut)")]
     _, report = run_pipeline(Dataset.from_list(rows), tiny_tokenizer, 256, pack_to_max_length=False, map_num_proc=1,
                              template_map_fn=template_map_fn_factory(PROMPT_TEMPLATE.qwen_chat))
-    assert (report.dropped, report.truncated, report.tokens_cut) == (s.dropped, s.truncated, s.tokens_cut)
+    assert (report.dropped, report.drop_examples, report.truncated, report.tokens_cut) == (
+        s.dropped, s.drop_examples, s.truncated, s.tokens_cut)
 
 
 # ------------------------------------------------- process_hf_dataset's arguments ----

@@ -82,7 +82,10 @@ def test_malformed_jsonl_names_line(tmp_path, tiny_tokenizer_dir):
 def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
     rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
-    assert code == 1 and "not in the standard format" in out and "set dataset_map_fn" in out
+    assert code == 1
+    assert ("ERROR: row 0: no `conversation` (fields: instruction, input, output); data that is not in the standard "
+            "format needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn), or convert the data to "
+            "{'conversation': [...]}") in out
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))
     assert code == 0, out
     assert "== after dataset_map_fn (row 0) ==" in out
@@ -157,3 +160,64 @@ def test_mix_datasets_checked_one_by_one(tmp_path, tiny_tokenizer_dir):
     assert "mix_datasets: dataset 1 of 2" in out and "mix_datasets: dataset 2 of 2" in out
     assert out.count("== statistics ==") == 1  # the first is fine, the second stops at its error
     assert f"ERROR: {data2}, row 3, field 'conversation[0].output'" in out
+
+
+def test_stage_views_show_the_converted_conversation_whole(tmp_path, tiny_tokenizer_dir):
+    # A long raw field used to cut the view at ~600 characters before `conversation` appeared.
+    answer = "word " * 20
+    rows = [{"source": "x" * 1000, "instruction": "Say it", "input": "", "output": answer}]
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))
+    assert code == 0, out
+    view = out.split("== after dataset_map_fn (row 0) ==\n")[1].split("\n\n")[0].splitlines()
+    assert view[0] == f"source: {'x' * 1000!r}"[:608] + "... (1002 chars)"
+    assert view[-2:] == ["conversation:", f"  [0] {{'system': '', 'input': 'Say it\\n', 'output': {answer!r}, "
+                                          "'output_with_loss': True}"]
+
+
+def test_drops_are_listed_by_cause_with_their_rows(tmp_path, tiny_tokenizer_dir):
+    rows = assets.tiny_conversations(6)
+    rows[2]["conversation"] = [{"input": "hello " * 200, "output": "a"}]
+    rows[4]["conversation"][0]["output_with_loss"] = False
+    rows[4]["conversation"] = rows[4]["conversation"][:1]
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
+    assert code == 0, out
+    lines = out.splitlines()
+    prompt = next(line for line in lines if line.startswith("dropped 1 rows: prompt"))
+    assert prompt.startswith("dropped 1 rows: prompt longer than max_length=128 (the answer was cut away) "
+                             "(row 2 (prompt of ")
+    assert "dropped 1 rows: answer masked away (output_with_loss=False on every turn) (row 4)" in lines
+
+
+def test_rows_a_map_fn_changed_are_warnings_and_repeated_keys_an_error(tmp_path, tiny_tokenizer_dir):
+    convs = [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]
+    lines = [json.dumps({"conversations": convs}),
+             json.dumps({"conversations": [{"from": "gpt", "value": "Hi!"}] + convs})]
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, lines=lines, map_fn="'sharegpt_map_fn'"))
+    assert code == 0, out
+    assert ("WARNING: changed 1 rows: conversation starts with an assistant message (dropped: nothing asked it) "
+            "(row 1)") in out
+    assert "OK: 0 errors, 1 warnings" in out
+    lines.append('{"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A", "value": "B"}]}')
+    code, out = check(make_config(tmp_path, tiny_tokenizer_dir, lines=lines, map_fn="'sharegpt_map_fn'"))
+    assert code == 1
+    assert (f"ERROR: {tmp_path / 'data.jsonl'}: 1 rows have an object with a repeated key, which the JSON reader "
+            "refuses: line 3 (row 2) ('value'); keep one value per key") in out
+
+
+def test_no_false_template_difference_for_a_chatml_tokenizer_whose_bos_starts_every_turn(tmp_path,
+                                                                                           tiny_tokenizer_dir):
+    # SmolLM2: BOS is <|im_start|>; the encoder does not write it twice, so the check must not either.
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset.template_check import template_mismatch
+    from sfttool.utils import PROMPT_TEMPLATE
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok.bos_token = "<|im_start|>"
+    assert template_mismatch(PROMPT_TEMPLATE.qwen_chat, tok) is None
+    assert template_mismatch(PROMPT_TEMPLATE.llama2_chat, tok).startswith(
+        "the configured template renders differently from the tokenizer's chat_template (first difference at ")
+    saved = tmp_path / "smollm2_like"
+    tok.save_pretrained(saved)
+    code, out = check(make_config(tmp_path, saved))
+    assert code == 0, out
+    assert "OK: 0 errors, 0 warnings" in out

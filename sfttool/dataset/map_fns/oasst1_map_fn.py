@@ -3,33 +3,27 @@ from __future__ import annotations
 
 import re
 
+from sfttool.dataset.conversation import turns_from_messages
 from sfttool.registry import MAP_FUNC
 
 from ._fields import text_field
-from .sharegpt_map_fn import JOIN
 
 # Only a speaker marker starts a segment: a `### Heading` in an answer is part of the answer.
 # `^` keeps XTuner's reading of a text that starts with `Human:` without the `###`.
 _MARKER = re.compile(r"(?:^|###)\s*(Human|Assistant):")
 
 
-def _segments(text: str) -> list[tuple[str, str]]:
-    """[(speaker, text)] in order, consecutive segments of one speaker joined as sharegpt_map_fn joins them."""
+def _segments(text: str) -> list[tuple[str, str, bool]]:
+    """``[(role, text, True)]`` in order: ``Human`` is the user, ``Assistant`` the assistant."""
     text = text.strip()
     markers = list(_MARKER.finditer(text))  # text before the first marker is ignored (as XTuner)
     ends = [marker.start() for marker in markers[1:]] + [len(text)]
-    merged: list[tuple[str, str]] = []
-    for marker, end in zip(markers, ends):
-        speaker, body = marker.group(1), text[marker.end():end].strip()
-        if merged and merged[-1][0] == speaker:
-            merged[-1] = (speaker, merged[-1][1] + JOIN + body)
-        else:
-            merged.append((speaker, body))
-    return merged
+    return [("user" if marker.group(1) == "Human" else "assistant", text[marker.end():end].strip(), True)
+            for marker, end in zip(markers, ends)]
 
 
 @MAP_FUNC.register_module()
-def oasst1_map_fn(example: dict) -> dict:
+def oasst1_map_fn(example: dict, notes: list[str] | None = None) -> dict:
     """Pair each ``Human`` segment with the ``Assistant`` segment that follows it.
 
     >>> oasst1_map_fn({'text': '### Human: Hi?### Assistant: Hello.### Human: Bye?'})
@@ -40,15 +34,11 @@ def oasst1_map_fn(example: dict) -> dict:
     Segments start only at ``### Human:`` / ``### Assistant:``, so Markdown
     headings inside a message stay in it.
 
-    Same policy as sharegpt_map_fn: consecutive segments of one speaker are
-    joined with a blank line, leading Assistant segments are dropped (nothing
-    asked them) and so is a final unanswered question (it would train
-    nothing). A row without a Human -> Assistant pair becomes an empty
-    conversation, which the pipeline drops and counts.
+    Same policy as sharegpt_map_fn (``turns_from_messages``): consecutive
+    segments of one speaker are joined with a blank line, leading Assistant
+    segments are dropped (nothing asked them) and so is a final unanswered
+    question (it would train nothing). A row without a Human -> Assistant pair
+    becomes an empty conversation, which the pipeline drops and counts.
+    ``notes`` (a list) collects what the conversion changed.
     """
-    merged = _segments(text_field(example, "text", "oasst1_map_fn"))
-    while merged and merged[0][0] == "Assistant":
-        merged.pop(0)
-    # Speakers now alternate from Human, so zip pairs each question with its answer.
-    return {"conversation": [{"input": question, "output": answer}
-                             for (_, question), (_, answer) in zip(merged[0::2], merged[1::2])]}
+    return {"conversation": turns_from_messages(_segments(text_field(example, "text", "oasst1_map_fn")), notes)}

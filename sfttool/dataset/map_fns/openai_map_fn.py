@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from sfttool.registry import MAP_FUNC
 
+from sfttool.dataset.conversation import turns_from_messages
+
 from ._fields import list_field, text_field
 from .errors import MapFnError
-from .sharegpt_map_fn import JOIN
 
 
 def _with_loss(message: dict) -> bool:
@@ -17,7 +18,7 @@ def _with_loss(message: dict) -> bool:
 
 
 @MAP_FUNC.register_module()
-def openai_map_fn(example: dict) -> dict:
+def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
     """One turn per assistant message; the user messages before it are its input.
 
     >>> openai_map_fn({'messages': [
@@ -26,38 +27,29 @@ def openai_map_fn(example: dict) -> dict:
     ...     {'role': 'assistant', 'content': 'Once, a cat.', 'loss': False}]})
     {'conversation': [{'system': 'Be terse.', 'input': 'Tell me a story.', 'output': 'Once, a cat.', 'output_with_loss': False}]}
 
-    Leading assistant messages are skipped (nothing asked them); consecutive
-    user messages are concatenated; the system messages before the first
-    assistant message are the first turn's ``system`` (several are joined
-    with a blank line, as sharegpt_map_fn joins them), and one after it is a
+    As sharegpt_map_fn (``turns_from_messages``): leading assistant messages
+    are skipped (nothing asked them); consecutive user (or assistant) messages
+    are joined with a blank line; the system messages before the first
+    assistant message are the first turn's ``system``, and one after it is a
     MapFnError (the standard format has ``system`` on the first turn only);
     trailing user messages without an answer are dropped. An assistant
     message with ``loss: false`` is kept as context but not trained.
+    ``notes`` (a list) collects what the conversion changed.
     """
     messages = list_field(example, "messages", "openai_map_fn")
-    start = 0
-    while start < len(messages) and messages[start].get("role") == "assistant":
-        start += 1
-    conversation, systems, user = [], [], ""
-    for index, message in enumerate(messages[start:], start):  # index into the row's own list, for errors
+    tagged: list[tuple[str, str, bool]] = []
+    answered = False
+    for index, message in enumerate(messages):  # index into the row's own list, for errors
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise MapFnError(f"openai_map_fn: messages[{index}] has role {role!r}; expected 'system', 'user' "
                              f"or 'assistant' (tool and function messages are not supported)")
         content = text_field(message, "content", f"openai_map_fn (messages[{index}])")
-        if role == "system" and conversation:
+        if role == "system" and answered:
             # Carried to a later turn, the encoder would reject it; dropped, the row would train without it.
             raise MapFnError(f"openai_map_fn: messages[{index}] is a system message after the first turn, "
                              f"which the standard format does not support (only the first turn has a system "
                              f"prompt); move it before the first assistant message or drop it")
-        if role == "system":
-            systems.append(content)
-        elif role == "user":
-            user += content
-        else:
-            system = JOIN.join(systems)
-            turn = {"system": system} if system else {}
-            turn.update(input=user, output=content, output_with_loss=_with_loss(message))
-            conversation.append(turn)
-            systems, user = [], ""
-    return {"conversation": conversation}
+        answered = answered or (role == "assistant" and any(r == "user" for r, _, _ in tagged))
+        tagged.append((role, content, _with_loss(message) if role == "assistant" else True))
+    return {"conversation": turns_from_messages(tagged, notes, loss_flags=True)}

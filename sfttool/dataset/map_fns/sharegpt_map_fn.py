@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 from sfttool.registry import MAP_FUNC
 
+from sfttool.dataset.conversation import JOIN, turns_from_messages
+
 from ._fields import text_field
 from .errors import MapFnError
 
@@ -26,7 +28,7 @@ ROLE_ALIASES = {
     "bard": "assistant", "model": "assistant",
     "system": "system",
 }
-JOIN = "\n\n"
+__all__ = ["JOIN", "ROLE_ALIASES", "sharegpt_map_fn"]
 
 
 def _messages(example: Mapping[str, Any]) -> list:
@@ -53,23 +55,20 @@ def _role_and_text(message: Mapping[str, Any], index: int) -> tuple[str, str]:
     return role, text_field(message, text_key, where)
 
 
-def _merge_runs(messages: list) -> list[tuple[str, str]]:
-    """[(role, text)] with consecutive same-role messages joined."""
-    merged: list[tuple[str, str]] = []
+def _tagged(messages: list) -> list[tuple[str, str, bool]]:
+    """``(role, text, True)`` per message; a system message after the first user or assistant one is an error."""
+    tagged: list[tuple[str, str, bool]] = []
     for index, message in enumerate(messages):
         role, text = _role_and_text(message, index)
-        if role == "system" and any(r != "system" for r, _ in merged):
+        if role == "system" and any(r != "system" for r, _, _ in tagged):
             raise MapFnError(f"sharegpt_map_fn: conversations[{index}] is a system message after the "
                              f"conversation started; move it to the beginning or drop it")
-        if merged and merged[-1][0] == role:
-            merged[-1] = (role, merged[-1][1] + JOIN + text)
-        else:
-            merged.append((role, text))
-    return merged
+        tagged.append((role, text, True))
+    return tagged
 
 
 @MAP_FUNC.register_module()
-def sharegpt_map_fn(example: dict) -> dict:
+def sharegpt_map_fn(example: dict, notes: list[str] | None = None) -> dict:
     """Pair each user message with the assistant reply that follows it.
 
     >>> sharegpt_map_fn({'conversations': [
@@ -77,14 +76,7 @@ def sharegpt_map_fn(example: dict) -> dict:
     ...     {'from': 'gpt', 'value': 'Hello!'}, {'from': 'human', 'value': 'Bye'},
     ...     {'from': 'gpt', 'value': 'Bye!'}]})
     {'conversation': [{'system': 'Be kind.', 'input': 'Hi', 'output': 'Hello!'}, {'input': 'Bye', 'output': 'Bye!'}]}
+
+    ``notes`` (a list) collects what the conversion changed (see ``turns_from_messages``).
     """
-    merged = _merge_runs(_messages(example))
-    system = merged.pop(0)[1] if merged and merged[0][0] == "system" else ""
-    while merged and merged[0][0] == "assistant":
-        merged.pop(0)
-    conversation = []
-    for (_, user), (_, reply) in zip(merged[0::2], merged[1::2]):
-        turn = {"system": system} if system and not conversation else {}
-        turn.update(input=user, output=reply)
-        conversation.append(turn)
-    return {"conversation": conversation}
+    return {"conversation": turns_from_messages(_tagged(_messages(example)), notes)}

@@ -1,0 +1,182 @@
+"""The standard conversation format, in one place: its checks, its conversion
+to chat messages, and the conversion of role-tagged message lists into it.
+
+A standard row is ``{"conversation": [turn, ...]}``; a turn has ``input``
+(the user's text), ``output`` (the answer), ``system`` (first turn only) and
+the optional flags ``output_with_loss`` / ``need_eos_token``::
+
+    >>> check_conversation([{'system': 'S', 'input': 'Q', 'output': 'A'}])
+    [{'system': 'S', 'input': 'Q', 'output': 'A'}]
+    >>> to_messages([{'system': 'S', 'input': 'Q', 'output': 'A'}])
+    [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': 'A'}]
+
+``load`` checks files against it, the map fns produce it (``turns_from_messages``),
+``encode`` checks and renders it, ``check-custom-dataset`` validates every row with it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sfttool.dataset.errors import DatasetError, where
+
+TURN_KEYS = ("system", "input", "output", "output_with_loss", "need_eos_token", "sep")
+JOIN = "\n\n"  # between consecutive messages of one role, joined into one
+
+# What converting a message list changed, reported per row (never silently).
+NOTE_LEADING_ASSISTANT = "conversation starts with an assistant message (dropped: nothing asked it)"
+NOTE_UNANSWERED = "final user message without an answer (dropped)"
+NOTE_TWO_USERS = "two user messages in a row (joined with a blank line)"
+NOTE_TWO_ASSISTANTS = "two assistant messages in a row (joined with a blank line)"
+
+
+def is_empty(conversation: Any) -> bool:
+    """An empty or null conversation: the row is dropped and counted."""
+    return conversation is None or (isinstance(conversation, list) and not conversation)
+
+
+def check_text(value: Any, field: str, row: int | None, source: str | None, allow_none: bool) -> str:
+    if value is None and allow_none:
+        return ""
+    if not isinstance(value, str):
+        name = type(value).__name__
+        kind = "missing" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+        raise DatasetError(f"{where(row, source, field)}: expected a string, got {kind}; fix the data or "
+                           "the dataset_map_fn so every turn's `system`, `input` and `output` are strings")
+    return value
+
+
+def check_conversation(conversation: Any, row: int | None = None, source: str | None = None,
+                       need_output: bool = True) -> list[dict]:
+    """Validate a ``conversation`` list; return it. Raise DatasetError naming row and field."""
+    if not isinstance(conversation, list):
+        raise DatasetError(f"{where(row, source, 'conversation')}: expected a list of turns, "
+                           f"got {type(conversation).__name__}; set a dataset_map_fn that produces "
+                           "{'conversation': [{'input': ..., 'output': ...}]}")
+    for i, turn in enumerate(conversation):
+        _check_turn(turn, i, row, source, need_output)
+    return conversation
+
+
+def _check_turn(turn: Any, i: int, row: int | None, source: str | None, need_output: bool) -> None:
+    field = f"conversation[{i}]"
+    if not isinstance(turn, dict):
+        raise DatasetError(f"{where(row, source, field)}: expected a dict with `input` and `output`, "
+                           f"got {type(turn).__name__}")
+    if "input" not in turn and "output" not in turn:
+        keys = ", ".join(sorted(turn)) or "none"
+        raise DatasetError(f"{where(row, source, field)}: no `input`/`output` (keys: {keys}); "
+                           "convert roles to the standard format with a dataset_map_fn")
+    check_text(turn.get("input"), f"{field}.input", row, source, allow_none=True)
+    if need_output:
+        check_text(turn.get("output"), f"{field}.output", row, source, allow_none=False)
+    check_text(turn.get("system"), f"{field}.system", row, source, allow_none=True)
+    for name in ("output_with_loss", "need_eos_token"):
+        value = turn.get(name)
+        if value is not None and not isinstance(value, bool) and value not in (0, 1):
+            # bool("false") is True: a quoted flag would silently train what it meant to mask.
+            raise DatasetError(f"{where(row, source, f'{field}.{name}')}: expected true or false, got {value!r}")
+    if i > 0 and turn.get("system"):
+        raise DatasetError(f"{where(row, source, field + '.system')}: `system` is only allowed on the "
+                           "first turn; move it to conversation[0]")
+
+
+# What a turn means without each key a map fn may leave out ("system": none; "output_with_loss": trained).
+ABSENT = {"system": "", "input": "", "output": None, "output_with_loss": True}
+
+
+def with_every_key(conversation: Any) -> Any:
+    """Turns with every key of ``ABSENT`` (missing ones filled with what their absence means), in one order.
+
+    >>> with_every_key([{'input': 'Q', 'output': 'A'}])
+    [{'system': '', 'input': 'Q', 'output': 'A', 'output_with_loss': True}]
+
+    Arrow gives a column one struct type, decided by the first rows a ``map`` writes: a map fn that sets
+    ``system`` only on rows that have one would otherwise fail on the first such row after them.
+    Anything that is not a list of dicts is returned as it is, for the checks to report.
+    """
+    if not isinstance(conversation, list) or not all(isinstance(turn, dict) for turn in conversation):
+        return conversation
+    return [{**{key: turn.get(key, absent) for key, absent in ABSENT.items()}, **turn} for turn in conversation]
+
+
+def check_turn_keys(conversation: list[dict], row: int | None, source: str | None) -> None:
+    """Strict check (check-custom-dataset): a turn key the format does not know is probably a typo."""
+    for i, turn in enumerate(conversation):
+        unknown = sorted(k for k, v in turn.items() if k not in TURN_KEYS and v is not None)
+        if unknown:
+            raise DatasetError(f"{where(row, source, f'conversation[{i}]')}: unknown keys {', '.join(unknown)}; "
+                               "a turn has system (first turn only), input, output and optionally "
+                               "output_with_loss")
+
+
+def flag(turn: dict, key: str) -> bool:
+    """A boolean turn field that defaults to True; None (Arrow's fill for a
+    field other rows have) also means "not set"."""
+    value = turn.get(key)
+    return True if value is None else bool(value)
+
+
+def to_messages(conversation: list[dict], with_last_output: bool = True) -> list[dict]:
+    """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``), as written: a turn
+    without ``input`` adds no empty user message (the chat template sees two answers in a row,
+    or an answer first, and renders them as it does or says it cannot)."""
+    messages = []
+    for i, turn in enumerate(conversation):
+        if i == 0 and turn.get("system"):
+            messages.append({"role": "system", "content": turn["system"]})
+        if turn.get("input") or (with_last_output is False and i == len(conversation) - 1):
+            messages.append({"role": "user", "content": turn.get("input") or ""})
+        if with_last_output or i < len(conversation) - 1:
+            messages.append({"role": "assistant", "content": turn["output"]})
+    return messages
+
+
+# ---------------------------------------------------------------------------
+# Role-tagged messages (ShareGPT, OpenAI, OASST, WizardLM) -> standard turns.
+
+def turns_from_messages(messages: list[tuple[str, str, bool]], notes: list[str] | None = None,
+                        loss_flags: bool = False) -> list[dict]:
+    """``(role, text, trained)`` messages, roles ``system``/``user``/``assistant``, -> standard turns.
+
+    >>> turns_from_messages([('system', 'S', True), ('user', 'Q', True), ('assistant', 'A', True)])
+    [{'system': 'S', 'input': 'Q', 'output': 'A'}]
+
+    System messages before the first answer are the first turn's ``system``
+    (joined with a blank line); consecutive messages of one role are joined
+    the same way; a leading answer and a final unanswered question are dropped.
+    Each change is appended to ``notes`` once per row (the pipeline counts them).
+    ``loss_flags`` gives every turn ``output_with_loss`` (False only when
+    every message joined into its answer said so).
+    """
+    merged = _merge_runs([m for m in messages if m[0] != "system"], notes)
+    systems = [text for role, text, _ in messages if role == "system"]
+    if merged and merged[0][0] == "assistant":
+        merged.pop(0)
+        _note(notes, NOTE_LEADING_ASSISTANT)
+    if merged and merged[-1][0] == "user":
+        merged.pop()
+        _note(notes, NOTE_UNANSWERED)
+    conversation = []
+    for (_, question, _), (_, answer, trained) in zip(merged[0::2], merged[1::2]):
+        turn = {"system": JOIN.join(systems)} if systems and not conversation else {}
+        turn.update(input=question, output=answer)
+        if loss_flags:
+            turn["output_with_loss"] = trained
+        conversation.append(turn)
+    return conversation
+
+
+def _merge_runs(messages: list[tuple[str, str, bool]], notes: list[str] | None) -> list[tuple[str, str, bool]]:
+    merged: list[tuple[str, str, bool]] = []
+    for role, text, trained in messages:
+        if merged and merged[-1][0] == role:
+            _note(notes, NOTE_TWO_USERS if role == "user" else NOTE_TWO_ASSISTANTS)
+            merged[-1] = (role, merged[-1][1] + JOIN + text, merged[-1][2] or trained)
+        else:
+            merged.append((role, text, trained))
+    return merged
+
+
+def _note(notes: list[str] | None, note: str) -> None:
+    if notes is not None and note not in notes:
+        notes.append(note)

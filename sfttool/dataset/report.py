@@ -1,0 +1,103 @@
+"""What the data pipeline did, for the map-style pipeline and the stream alike:
+rows in and out, rows dropped and rows changed (each by cause, with the first
+row numbers), samples cut at ``max_length``, tokens, and packing.
+
+    Dataset: dropped 2 rows: prompt longer than max_length=256 (row 7 (prompt of 301 tokens), row 19 (...))
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sfttool.dataset.errors import EXAMPLES, examples
+
+# Why a row is dropped (the keys of ``PipelineReport.dropped``).
+DROP_EMPTY = "empty conversation"
+DROP_EMPTY_ANSWER = "empty answer (no answer token to train)"
+DROP_MASKED = "answer masked away (output_with_loss=False on every turn)"
+DROP_SUBSET = "over max_dataset_length"
+
+
+def drop_prompt_too_long(max_length: int) -> str:
+    return f"prompt longer than max_length={max_length} (the answer was cut away)"
+
+
+@dataclass
+class PipelineReport:
+    """Counts of one pipeline run or one reader's pass over a stream; ``stages`` keeps a dataset
+    per stage when asked (``check-custom-dataset`` prints them)."""
+    rows_in: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    drop_examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> the first rows
+    changed: dict[str, int] = field(default_factory=dict)  # what a map fn changed -> rows
+    change_examples: dict[str, list[str]] = field(default_factory=dict)
+    encoded: int = 0  # samples tokenized (before rows without trained tokens are dropped)
+    truncated: int = 0
+    tokens_cut: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    sample_lengths: list[int] = field(default_factory=list)
+    pack: Any = None  # PackStats when packed (map-style)
+    samples: int = 0  # samples kept (stream)
+    rows_out: int = 0
+    stages: dict[str, Any] = field(default_factory=dict)
+
+    def drop(self, reason: str, rows: list[str], count: int | None = None) -> None:
+        """Count ``count`` (default: ``len(rows)``) dropped rows; keep the first rows' names."""
+        _tally(self.dropped, self.drop_examples, reason, rows, len(rows) if count is None else count)
+
+    def change(self, note: str, rows: list[str]) -> None:
+        _tally(self.changed, self.change_examples, note, rows, len(rows))
+
+
+def _tally(counts: dict[str, int], named: dict[str, list[str]], key: str, rows: list[str], count: int) -> None:
+    if count:
+        counts[key] = counts.get(key, 0) + count
+        kept = named.setdefault(key, [])
+        kept += rows[:EXAMPLES - len(kept)]
+
+
+def log(message: str, level: int = logging.INFO) -> None:
+    from mmengine.logging import print_log
+    print_log(message, logger="current", level=level)
+
+
+def drop_lines(report: PipelineReport) -> list[str]:
+    """``dropped 2 rows: empty conversation (row 3, row 8)``, one per cause."""
+    return [f"dropped {n} rows: {why}" + _named(report.drop_examples.get(why), n) for why, n in report.dropped.items()]
+
+
+def change_lines(report: PipelineReport) -> list[str]:
+    """``changed 4 rows: two user messages in a row (...) (row 1, ...)``, one per change."""
+    return [f"changed {n} rows: {what}" + _named(report.change_examples.get(what), n)
+            for what, n in report.changed.items()]
+
+
+def _named(rows: list[str] | None, count: int) -> str:
+    return f" ({examples(rows, count)})" if rows else ""
+
+
+def warning_lines(report: PipelineReport, max_length: int) -> list[str]:
+    """What both pipelines warn about: rows changed, rows dropped, samples cut."""
+    lines = change_lines(report) + drop_lines(report)
+    if report.truncated:
+        lines.append(f"truncated {report.truncated} samples at max_length={max_length} "
+                     f"({report.tokens_cut} tokens cut)")
+    return lines
+
+
+def log_report(report: PipelineReport, max_length: int) -> None:
+    """The map-style pipeline's summary."""
+    log(f"Dataset: {report.rows_in} rows in, {report.rows_out} rows out")
+    for line in warning_lines(report, max_length):
+        log(f"Dataset: {line}", logging.WARNING)
+    if report.tokens:
+        log(f"Dataset: {report.tokens} tokens, {report.trained_tokens} trained "
+            f"({100 * report.trained_tokens / report.tokens:.1f}%)")
+    pack = report.pack
+    if pack is not None:
+        log(f"Dataset: packed {pack.samples} samples into {pack.rows} rows of <= {max_length} tokens, "
+            f"packing efficiency {100 * pack.efficiency:.1f}%, {pack.split_samples} samples split")
+        if pack.rows_without_labels:
+            log(f"Dataset: {pack.rows_without_labels} packed rows have no trained token", logging.WARNING)

@@ -1,0 +1,179 @@
+"""The pipeline's stages as pure batch functions, shared by the map-style
+pipeline (each called by one labelled ``datasets.map``, or on the Arrow
+columns it produced) and by the stream (called on each chunk of rows it reads).
+
+    map fn -> template -> (drop empty) -> encode (``encode.encode_batch``) -> drop untrained -> pack (``pack``)
+
+    >>> map_batch({'instruction': ['Add.'], 'input': ['1 2'], 'output': ['3']}, [0], alpaca_map_fn)['conversation']
+    [[{'system': '', 'input': 'Add.\\n1 2', 'output': '3', 'output_with_loss': True}]]
+
+Each stage reports by cause what it dropped or changed, naming the rows
+(``PipelineReport.drop`` / ``change``).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
+
+from sfttool.dataset.conversation import with_every_key
+from sfttool.dataset.encode import UNTRAINED_MASKED
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.report import (DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport,
+                                    drop_prompt_too_long)
+
+NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
+
+
+def row_name(row: int) -> str:
+    return f"row {row}"
+
+
+# ---------------------------------------------------------------------------
+# Map fns (the dataset map fn, then the template map fn).
+
+def fn_name(fn: Callable) -> str:
+    """A function's name, a ``functools.partial``'s too."""
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+
+
+def _takes_notes(fn: Callable) -> bool:
+    try:
+        return "notes" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return False
+
+
+class SafeMapFn:
+    """Wrap a map fn (``role``: the config key it came from) so a failing row is reported with its index,
+    the fn's name and, when its fields fit another map fn, that one; the fn sees the row without
+    sfttool's row-number column. Map fns that take ``notes`` report what they changed in the row."""
+
+    def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn"):
+        self.fn, self.source, self.role = fn, source, role
+        self.name = fn_name(fn)
+        self.takes_notes = _takes_notes(fn)
+
+    def __call__(self, row: dict, index: int, notes: list[str] | None = None) -> dict:
+        if ROW_COLUMN in row:
+            index = row[ROW_COLUMN]
+            row = {k: v for k, v in row.items() if k != ROW_COLUMN}
+        try:
+            mapped = self.fn(row, notes=notes) if self.takes_notes and notes is not None else self.fn(row)
+        except Exception as exc:  # a user fn may raise anything: report where
+            raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} failed: "
+                               f"{type(exc).__name__}: {exc}{self._hint(row)}") from None
+        if not isinstance(mapped, Mapping):
+            raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} returned "
+                               f"{type(mapped).__name__}, not a dict")
+        return mapped
+
+    def _hint(self, row: Any) -> str:
+        from sfttool.dataset.map_fns.suggest import fitting_map_fn
+        fitting = fitting_map_fn(row) if self.role == "dataset_map_fn" else None
+        if fitting is None or fitting == self.name:
+            return ""
+        return f" (the row's fields fit {fitting}: set {_setting(fitting)})"
+
+
+def _setting(fitting: str) -> str:
+    return fitting if fitting.startswith("dataset_map_fn") else f"dataset_map_fn={fitting}"
+
+
+def check_dicts(rows: Sequence[Any], row_numbers: Sequence[int], source: str | None) -> None:
+    for row, number in zip(rows, row_numbers):
+        if not isinstance(row, Mapping):
+            raise DatasetError(f"{where(number, source)}: expected a dict (one JSON object per row), "
+                               f"got {type(row).__name__}")
+
+
+def missing_conversation(row: Mapping, map_fn: Callable | None) -> str:
+    """What to do about a row without ``conversation``: the map fn its fields fit, or what a map fn returns."""
+    from sfttool.dataset.map_fns.suggest import fitting_map_fn
+    fields = ", ".join(str(k) for k in row if k != ROW_COLUMN) or "none"
+    if map_fn is not None:
+        return (f"no `conversation` after dataset_map_fn {fn_name(map_fn)} (fields: {fields}); it must return "
+                "{'conversation': [{'input': ..., 'output': ...}]}")
+    fitting = fitting_map_fn(row)
+    fix = f"set {_setting(fitting)}" if fitting else "e.g. alpaca_map_fn, sharegpt_map_fn"
+    return (f"no `conversation` (fields: {fields}); data that is not in the standard format needs a "
+            f"dataset_map_fn ({fix})")
+
+
+def map_rows(rows: Sequence[Mapping], row_numbers: Sequence[int], fn: Callable, source: str | None,
+             role: str = "dataset_map_fn") -> tuple[list[dict], list[list[str]]]:
+    """``fn`` on each row: ``(what it returned, what it changed)`` per row."""
+    check_dicts(rows, row_numbers, source)
+    safe = SafeMapFn(fn, source, role)
+    out, notes = [], []
+    for row, number in zip(rows, row_numbers):
+        changed: list[str] = []
+        out.append(dict(safe(row, number, changed)))
+        notes.append(changed)
+    return out, notes
+
+
+def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, source: str | None = None,
+              role: str = "dataset_map_fn") -> dict[str, list]:
+    """``datasets.map(batched=True, with_indices=True)`` form of ``map_rows``: the returned columns, and
+    (for the dataset map fn) ``NOTES_COLUMN``."""
+    names = list(batch)
+    rows = [dict(zip(names, values)) for values in zip(*batch.values())]
+    mapped, notes = map_rows(rows, _numbers(batch, indices), fn, source, role)
+    columns: dict[str, list] = {}
+    for i, row in enumerate(mapped):
+        for key, value in row.items():
+            columns.setdefault(key, [None] * len(mapped))[i] = value
+    if "conversation" in columns:  # one struct type for every batch the map writes
+        columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
+    if role == "dataset_map_fn":
+        columns[NOTES_COLUMN] = ["\n".join(n) for n in notes]
+    return columns
+
+
+def _numbers(batch: dict[str, list], indices: Sequence[int]) -> list[int]:
+    """The rows' numbers as loaded, when numbered (see ``ROW_COLUMN``), else their indices."""
+    return list(batch[ROW_COLUMN]) if ROW_COLUMN in batch else list(indices)
+
+
+def count_notes(report: PipelineReport, notes: Sequence[Sequence[str]], row_numbers: Sequence[int]) -> None:
+    """What the map fn changed, counted per change with the first rows named."""
+    changed: dict[str, list[str]] = {}
+    for row_notes, number in zip(notes, row_numbers):
+        for note in row_notes:
+            changed.setdefault(note, []).append(row_name(number))
+    for note, rows in changed.items():
+        report.change(note, rows)
+
+
+# ---------------------------------------------------------------------------
+# Drops.
+
+def count_drops(report: PipelineReport, reason: str, dropped: Sequence[bool], row_numbers: Sequence[int]) -> None:
+    report.drop(reason, [row_name(n) for n, d in zip(row_numbers, dropped) if d])
+
+
+def drop_empty_rows(report: PipelineReport, empty: Sequence[bool], row_numbers: Sequence[int]) -> list[bool]:
+    """Rows whose conversation is empty are dropped, counted; returns the keep mask."""
+    count_drops(report, DROP_EMPTY, empty, row_numbers)
+    return [not e for e in empty]
+
+
+def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], first_trained: Sequence[int],
+                        row_numbers: Sequence[int], max_length: int) -> list[bool]:
+    """Rows without a trained token are dropped, counted by cause; returns the keep mask.
+
+    ``first_trained`` (``encode_batch``) is where the answer starts in the whole sample: a row whose
+    answer starts at or after ``max_length`` lost it to truncation (the prompt is too long)."""
+    causes: dict[str, list[str]] = {}
+    for trained, first, number in zip(num_trained, first_trained, row_numbers):
+        if trained:
+            continue
+        if first >= 0:
+            cause, name = drop_prompt_too_long(max_length), f"{row_name(number)} (prompt of {first} tokens)"
+        else:
+            cause, name = (DROP_MASKED if first == UNTRAINED_MASKED else DROP_EMPTY_ANSWER), row_name(number)
+        causes.setdefault(cause, []).append(name)
+    for cause, rows in causes.items():
+        report.drop(cause, rows)
+    return [bool(t) for t in num_trained]
