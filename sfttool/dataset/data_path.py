@@ -95,3 +95,7 @@ def load_data_path(path: str | os.PathLike, **kwargs: Any):
             if not file.lower().endswith(".gz"):
                 check_json_file(file, field=kwargs.get("field"))
     return datasets.load_dataset(**source, **kwargs)
+
+
+# Validation checks the extra arguments against it (sfttool.config.arguments).
+load_data_path.forwards_kwargs_to = "datasets.load_dataset"
