@@ -38,19 +38,22 @@ _TYPO_CUTOFF = 0.8
 def check_arguments(cfg: Any, path: str) -> list[str]:
     """``'<file>: <key>: <Type> takes no argument `x` (did you mean y?)'`` for each unknown argument,
     every typed node of what the run builds, each problem once."""
+    return [error for key, node, fn, kind in typed_nodes(cfg) for error in _unknown(path, key, node, fn, kind)]
+
+
+def typed_nodes(cfg: Any) -> Iterator[tuple[str, dict, Callable, str]]:
+    """``(key, node, callable, kind)`` for each typed node of what the run builds, without building
+    anything; a node equal to one already given (a copy of ``tokenizer`` in a hook) is left out."""
     cfg = getattr(cfg, "_cfg_dict", cfg)
-    errors: list[str] = []
-    checked: list[tuple[Any, Any]] = []  # (node, callable): a copy of a checked node is not reported again
+    seen: list[tuple[Any, Any]] = []
     for root in ROOTS:
         node = cfg.get(root) if isinstance(cfg, dict) else None
         if root == "train_dataloader" and isinstance(node, dict) and node.get("dataset") is None:
             node = dict(node, dataset=cfg.get("train_dataset"))
         for key, node, fn, kind in _typed_nodes(node, root):
-            if any(node == seen and fn == seen_fn for seen, seen_fn in checked):
-                continue
-            checked.append((node, fn))
-            errors += _unknown(path, key, node, fn, kind)
-    return errors
+            if not any(node == other and fn == other_fn for other, other_fn in seen):
+                seen.append((node, fn))
+                yield key, node, fn, kind
 
 
 def _typed_nodes(node: Any, key: str) -> Iterator[tuple[str, dict, Callable, str]]:

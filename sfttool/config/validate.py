@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sfttool.config.arguments import check_arguments
+from sfttool.config.arguments import check_arguments, typed_nodes
 
-__all__ = ["check_arguments", "validate_config"]
+__all__ = ["check_arguments", "check_data_paths", "validate_config"]
 
 REQUIRED_KEYS = {
     "model": "the model to train, e.g. model = dict(type=SupervisedFinetune, llm=...)",
@@ -48,4 +48,20 @@ def validate_config(cfg: Any, path: str = "config") -> list[str]:
     tc = _get(cfg, "train_cfg")
     if isinstance(tc, dict) and tc.get("max_epochs") is None and tc.get("max_iters") is None:
         errors.append(f"{path}: train_cfg: set max_epochs (or max_iters) so the run has a length")
-    return errors + check_arguments(cfg, path)
+    return errors + check_arguments(cfg, path) + check_data_paths(cfg, path)
+
+
+def check_data_paths(cfg: Any, path: str) -> list[str]:
+    """A local ``data_path`` that does not exist, found now rather than when the dataset is built.
+    Only literal paths are checked: a lazily built one (the demo's ``builtin_data_file``) is not
+    built here."""
+    from sfttool.dataset.data_path import data_source, load_data_path
+    from sfttool.dataset.errors import DatasetError
+    errors = []
+    for key, node, fn, _ in typed_nodes(cfg):
+        if fn is load_data_path and isinstance(node.get("path"), str):
+            try:
+                data_source(node["path"])
+            except DatasetError as exc:
+                errors.append(f"{path}: {key}.path: {exc}")
+    return errors

@@ -91,3 +91,10 @@ def test_train_stops_at_validation_before_the_data_is_loaded(recorded_loads, tmp
     for line in EXPECTED:
         assert line.replace("c.py", NAME + ".py") in result.output
     assert recorded_loads == [] and not work_dir.exists()
+
+
+def test_a_missing_data_file_is_reported_at_validation_naming_data_path(tiny_sft_jsonl):
+    assert validate_config(load_config(NAME, [f"data_path={tiny_sft_jsonl}"]), "c.py") == []
+    assert validate_config(load_config(NAME, ["data_path=/data/missing.jsonl"]), "c.py") == [
+        "c.py: train_dataloader.dataset.dataset.path: data_path '/data/missing.jsonl': no such file or folder; "
+        "set data_path (PART 1 of the config) to your data file, a folder or a glob, or a dataset name on the hub"]
