@@ -75,8 +75,8 @@ def parameters(path: Path, options: dict) -> dict[str, tuple[tuple[Path, int], a
         if name not in READ_KEYS and not _read_after(chain, where, name):
             raise OverrideError(
                 f"{path}: --cfg-options {name}: the config sets `{name}` ({where[0].name}:{where[1]}) but "
-                "nothing in it reads the name afterwards, so the override would change nothing; override "
-                "the dotted key that holds the value instead (e.g. optim_wrapper.optimizer.lr)")
+                "nothing in it reads the name afterwards, so the override would change nothing else (a config "
+                "dumped by a run holds values, not names); override the dotted keys that hold the value")
         found[name] = (where, _literal(name, value))
     return found
 
