@@ -176,3 +176,19 @@ def test_an_old_style_config_keeps_mmengines_merge(tmp_path):
     path = _write(tmp_path / "old.py", "_base_ = ['./base.py']\nepochs = 2\n")
     cfg = load_config(path, ["lr=5", "opt.lr=3"])
     assert cfg.lr == 5 and cfg.opt.lr == 3
+
+
+def test_overridden_settings_reach_the_built_objects(copied, tiny_qwen2_dir, tiny_sft_jsonl):
+    """Built, not only loaded: the optimizer's lr, the tokenizer every part loads, the data and its map fn
+    (the file is in the standard format already), max_length."""
+    from sfttool.registry import build
+    cfg = load_config(copied, [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={tiny_sft_jsonl}",
+                               "dataset_map_fn=None", "max_length=48", "lr=3e-5", "train_dataloader.dataset.map_num_proc=1"])
+    optimizer = build(dict(cfg.optim_wrapper.optimizer, params=[torch.nn.Parameter(torch.zeros(1))]))
+    assert optimizer.defaults["lr"] == 3e-5
+    for key in ("tokenizer", "custom_hooks.1.tokenizer"):
+        node = cfg.tokenizer if key == "tokenizer" else cfg.custom_hooks[1].tokenizer
+        assert build(node, key).name_or_path == str(tiny_qwen2_dir)
+    dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
+    lengths = [len(row["input_ids"]) for row in dataset]
+    assert max(lengths) <= 48 and sum(len(row["sample_lengths"]) for row in dataset) == 64
