@@ -27,8 +27,9 @@ ROOTS = ("model", "tokenizer", "train_dataloader", "val_dataloader", "test_datal
 # mmengine's DataLoader keys it takes out before calling torch's DataLoader.
 _DATALOADER_KEYS = {"dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "num_batch_per_epoch"}
 
-# Keys mmengine's builders take out of a node before calling its type, by the node's kind.
-_TAKEN = {"optim_wrapper": {"constructor", "paramwise_cfg"}, "hook": {"priority"},
+# Keys mmengine's builders (and sfttool's non-finite loss guard, `max_consecutive_nonfinite`) take out
+# of a node before calling its type, by the node's kind.
+_TAKEN = {"optim_wrapper": {"constructor", "paramwise_cfg", "max_consecutive_nonfinite"}, "hook": {"priority"},
           "scheduler": {"convert_to_iter_based"}, "loop": {"by_epoch"}}
 
 # Close enough to a known name to be a typo of it (torch_dtpye -> torch_dtype: 0.91).

@@ -54,6 +54,9 @@ def test_kwargs_that_are_no_typo_pass_where_the_callable_takes_any():
                "train_dataloader.dataset.dataset.split=train", "train_dataloader.dataset.dataset.field=rows",
                "tokenizer.model_max_length=512"]
     assert validate_config(load_config(NAME, options), "c.py") == []
+    # Taken out of the node before the call: by mmengine (priority) or sfttool's non-finite loss guard.
+    taken = ["custom_hooks.2.priority='LOW'", "optim_wrapper.max_consecutive_nonfinite=3"]
+    assert validate_config(load_config(NAME, taken), "c.py") == []
     names, open_ended = accepted_arguments(BUILDER.get("load_data_path"))
     assert open_ended and {"path", "split", "data_files", "streaming"} <= names
 
