@@ -77,16 +77,22 @@ def parameters(path: Path, options: dict) -> dict[str, tuple[tuple[Path, int], a
                 f"{path}: --cfg-options {name}: the config sets `{name}` ({where[0].name}:{where[1]}) but "
                 "nothing in it reads the name afterwards, so the override would change nothing else (a config "
                 "dumped by a run holds values, not names); override the dotted keys that hold the value")
-        found[name] = (where, _literal(name, value))
+        node = _literal(value)
+        if node is None and name in READ_KEYS:
+            continue  # an object from Python code, for a key the runner reads itself: set after loading
+        if node is None:
+            raise OverrideError(f"--cfg-options {name}: {value!r} is not a Python literal")
+        found[name] = (where, node)
     return found
 
 
-def _literal(name: str, value: Any) -> ast.expr:
+def _literal(value: Any) -> ast.expr | None:
+    """``value`` as source the config can execute, or None when it is no literal."""
     try:
         node = ast.parse(repr(value), mode="eval").body
         ast.literal_eval(node)
     except (SyntaxError, ValueError):
-        raise OverrideError(f"--cfg-options {name}: {value!r} is not a Python literal") from None
+        return None
     return node
 
 

@@ -192,3 +192,18 @@ def test_overridden_settings_reach_the_built_objects(copied, tiny_qwen2_dir, tin
     dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
     lengths = [len(row["input_ids"]) for row in dataset]
     assert max(lengths) <= 48 and sum(len(row["sample_lengths"]) for row in dataset) == 64
+
+
+def test_an_object_from_python_code_sets_a_key_the_runner_reads(tmp_path):
+    """`load_config(..., {'custom_hooks': [...]})` from Python may pass objects that are no literal."""
+    from datetime import timedelta
+    path = _write(tmp_path / "c.py", """
+        from datetime import timedelta
+        lr = 1.0
+        model = dict(lr=lr)
+        custom_hooks = []
+        """)
+    cfg = load_config(path, {"custom_hooks": [dict(type=timedelta, days=1)], "lr": 0.5})
+    assert cfg.custom_hooks == [dict(type=timedelta, days=1)] and cfg.model.lr == 0.5
+    with pytest.raises(ConfigError, match=r"--cfg-options lr: datetime.timedelta\(days=1\) is not a Python literal"):
+        load_config(path, {"lr": timedelta(days=1)})
