@@ -1,6 +1,7 @@
 """Check a loaded config before anything is built; report every problem at once."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from sfttool.config.arguments import check_arguments, typed_nodes
@@ -52,9 +53,10 @@ def validate_config(cfg: Any, path: str = "config") -> list[str]:
 
 
 def check_data_paths(cfg: Any, path: str) -> list[str]:
-    """A local ``data_path`` that does not exist, found now rather than when the dataset is built.
-    Only literal paths are checked: a lazily built one (the demo's ``builtin_data_file``) is not
-    built here."""
+    """Local data files that do not exist (``data_path``, or the ``data_files`` of XTuner's
+    ``dict(type=load_dataset, path='json', data_files=...)``), found now rather than when the
+    dataset is built. Only literal paths are checked: a lazily built one (the demo's
+    ``builtin_data_file``) is not built here."""
     from sfttool.dataset.data_path import data_source, load_data_path
     from sfttool.dataset.errors import DatasetError
     errors = []
@@ -64,4 +66,22 @@ def check_data_paths(cfg: Any, path: str) -> list[str]:
                 data_source(node["path"])
             except DatasetError as exc:
                 errors.append(f"{path}: {key}.path: {exc}")
+        elif getattr(fn, "__name__", "") == "load_dataset":
+            errors += [f"{path}: {key}.data_files: no such file {file!r}; set data_files to your data file "
+                       "(a path relative to the folder you run from, or absolute)" for file in _missing_files(node)]
     return errors
+
+
+def _missing_files(node: dict) -> list[str]:
+    from sfttool.dataset.load import data_file_list
+    files = node.get("data_files")
+    if not isinstance(files, (str, list, tuple, dict)) or _has_typed(files):
+        return []  # built lazily: not built here
+    return [f for f in data_file_list(files)
+            if not any(c in f for c in "*?[") and "://" not in f and not os.path.exists(os.path.expanduser(f))]
+
+
+def _has_typed(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "type" in node or any(_has_typed(v) for v in node.values())
+    return isinstance(node, (list, tuple)) and any(_has_typed(v) for v in node)

@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from sfttool.cli.main import cli
 from sfttool.config import load_config, validate_config
+from sfttool.config.validate import check_data_paths
 from sfttool.config.arguments import accepted_arguments, check_arguments
 from sfttool.registry import BUILDER
 
@@ -101,3 +102,13 @@ def test_a_missing_data_file_is_reported_at_validation_naming_data_path(tiny_sft
     assert validate_config(load_config(NAME, ["data_path=/data/missing.jsonl"]), "c.py") == [
         "c.py: train_dataloader.dataset.dataset.path: data_path '/data/missing.jsonl': no such file or folder; "
         "set data_path (PART 1 of the config) to your data file, a folder or a glob, or a dataset name on the hub"]
+
+
+def test_a_missing_data_file_of_an_xtuner_style_dataset_is_reported_at_validation(tmp_path, tiny_sft_jsonl):
+    path = tmp_path / "c.py"
+    path.write_text("from datasets import load_dataset\n"
+                    f"train_dataloader = dict(dataset=dict(type=load_dataset, path='json', data_files=["
+                    f"'{tiny_sft_jsonl}', 'missing.jsonl', 'parts/*.jsonl']))\n")
+    assert check_data_paths(load_config(path), "c.py") == [
+        "c.py: train_dataloader.dataset.data_files: no such file 'missing.jsonl'; set data_files to your data "
+        "file (a path relative to the folder you run from, or absolute)"]
