@@ -98,6 +98,9 @@ def _callable(node: dict, key: str, kind: str) -> Callable | None:
     if kind == "dataloader":
         from torch.utils.data import DataLoader
         return DataLoader
+    if "type" not in node and kind == "optim_wrapper":
+        from mmengine.optim import OptimWrapper
+        return OptimWrapper  # mmengine's default
     if "type" not in node:
         return _loop_class(node) if kind == "loop" else None
     return _resolve(node.get("type"), kind)

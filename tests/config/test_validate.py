@@ -62,6 +62,13 @@ def test_kwargs_that_are_no_typo_pass_where_the_callable_takes_any():
     assert open_ended and {"path", "split", "data_files", "streaming"} <= names
 
 
+def test_an_untyped_optim_wrapper_is_mmengines_default():
+    cfg = {"optim_wrapper": {"optimizer": {"type": "AdamW", "lr": 1e-4}, "accumulative_count": 2}}
+    assert check_arguments(cfg, "c.py") == [
+        "c.py: optim_wrapper.accumulative_count: OptimWrapper takes no argument `accumulative_count` (did you mean "
+        "accumulative_counts?)"]
+
+
 def test_a_node_and_its_copies_report_a_typo_once():
     """`tokenizer` is copied into the dataset and two hooks: the typo is named where it was written."""
     cfg = {"tokenizer": {"type": "transformers.AutoTokenizer.from_pretrained", "padding_sid": "left"},
