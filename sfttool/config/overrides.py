@@ -221,7 +221,10 @@ def check_overrides(cfg: Any, options: dict, path: Path) -> None:
                                 "a new name would be read by nothing")
         if not rest or root not in cfg or (root in READ_KEYS and root not in READ_BY_TOOLS):
             continue
-        copies = [f"{target}.{rest}" for target in copied_to(cfg, root)]
+        targets = copied_to(cfg, root)
+        # Name the copies training reads, not those inside other building blocks (train_dataset).
+        targets = [t for t in targets if t.partition(".")[0] in READ_KEYS] or targets
+        copies = [f"{target}.{rest}" for target in targets]
         shown = ", ".join(copies[:6]) + (f" and {len(copies) - 6} more" if len(copies) > 6 else "")
         if copies and root in READ_BY_TOOLS:
             from mmengine.logging import print_log

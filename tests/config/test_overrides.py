@@ -207,3 +207,12 @@ def test_an_object_from_python_code_sets_a_key_the_runner_reads(tmp_path):
     assert cfg.custom_hooks == [dict(type=timedelta, days=1)] and cfg.model.lr == 0.5
     with pytest.raises(ConfigError, match=r"--cfg-options lr: datetime.timedelta\(days=1\) is not a Python literal"):
         load_config(path, {"lr": timedelta(days=1)})
+
+
+def test_a_dotted_tokenizer_key_warns_with_the_copies_training_reads(copied, capfd):
+    cfg = load_config(copied, ["tokenizer.padding_side=left"])
+    assert cfg.tokenizer.padding_side == "left" and cfg.train_dataloader.dataset.tokenizer.padding_side == "right"
+    assert ("--cfg-options tokenizer.padding_side: the tools (convert) read `tokenizer` itself, but training uses "
+            "the copies the config made of it; to change training, override custom_hooks.0.tokenizer.padding_side, "
+            "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side\n"
+            ) in capfd.readouterr().out
