@@ -209,10 +209,22 @@ def test_an_object_from_python_code_sets_a_key_the_runner_reads(tmp_path):
         load_config(path, {"lr": timedelta(days=1)})
 
 
-def test_a_dotted_tokenizer_key_warns_with_the_copies_training_reads(copied, capfd):
-    cfg = load_config(copied, ["tokenizer.padding_side=left"])
+def test_a_dotted_tokenizer_key_warns_with_the_copies_training_reads(copied):
+    import logging
+
+    from mmengine.logging import MMLogger
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = MMLogger.get_current_instance()
+    logger.addHandler(handler)
+    try:
+        cfg = load_config(copied, ["tokenizer.padding_side=left"])
+    finally:
+        logger.removeHandler(handler)
     assert cfg.tokenizer.padding_side == "left" and cfg.train_dataloader.dataset.tokenizer.padding_side == "right"
-    assert ("--cfg-options tokenizer.padding_side: the tools (convert) read `tokenizer` itself, but training uses "
-            "the copies the config made of it; to change training, override custom_hooks.0.tokenizer.padding_side, "
-            "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side\n"
-            ) in capfd.readouterr().out
+    assert records == [
+        "--cfg-options tokenizer.padding_side: the tools (convert) read `tokenizer` itself, but training uses the "
+        "copies the config made of it; to change training, override custom_hooks.0.tokenizer.padding_side, "
+        "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side"]
