@@ -48,8 +48,10 @@ def _one_builder(files: list[str], data_path: str) -> str:
 
 
 def _looks_local(path: str) -> bool:
-    """A path the user meant as a local file (a hub name is ``owner/name``, without a data suffix)."""
-    return path.startswith(("/", "./", "../", "~")) or _builder(path) is not None
+    """A path the user meant as a local file: a hub name is ``owner/name``, without a data suffix,
+    and its owner is no folder here (``data/train`` with a ``data/`` folder is local)."""
+    return (path.startswith(("/", "./", "../", "~")) or _builder(path) is not None
+            or (os.sep in path and os.path.isdir(path.split(os.sep)[0])))
 
 
 def data_source(data_path: str | os.PathLike) -> dict:

@@ -54,8 +54,13 @@ def test_a_saved_dataset_folder_loads_from_disk(tmp_path):
     assert _inputs(load_data_path(str(tmp_path / "saved"))) == ["q0", "q1", "q2"]
 
 
-def test_a_hub_name_is_passed_on():
+def test_a_hub_name_is_passed_on(tmp_path, monkeypatch):
     assert data_source("tatsu-lab/alpaca") == {"path": "tatsu-lab/alpaca"}
+    # A missing subfolder of a folder that is here is local, not a hub name.
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetError, match=r"^data_path 'data/train': no such file or folder"):
+        data_source("data/train")
 
 
 @pytest.mark.parametrize("path, problem", [("/no/such/data.jsonl", "no such file or folder"),
