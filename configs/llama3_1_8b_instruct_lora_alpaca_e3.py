@@ -12,7 +12,6 @@ Gated on the hub: accept the licence and `huggingface-cli login` (or point
     sfttool copy-cfg llama3_1_8b_instruct_lora_alpaca_e3 .   # an editable copy
 """
 
-from datasets import load_dataset
 from mmengine.config import read_base
 from mmengine.dataset import DefaultSampler
 from mmengine.hooks import CheckpointHook
@@ -22,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sfttool.dataset import process_hf_dataset
 from sfttool.dataset.collate_fns import default_collate_fn
+from sfttool.dataset.data_path import load_data_path
 from sfttool.dataset.map_fns import alpaca_map_fn, template_map_fn_factory
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
@@ -41,8 +41,9 @@ with read_base():
 pretrained_model_name_or_path = 'meta-llama/Llama-3.1-8B-Instruct'
 use_varlen_attn = False   # True needs flash-attn; packed samples are isolated either way
 
-# Data
+# Data: data_path is a hub name, or a local .json/.jsonl/.csv/.parquet file, a folder or a glob
 data_path = 'tatsu-lab/alpaca'
+dataset_map_fn = alpaca_map_fn   # Alpaca's instruction/input/output -> `conversation` rows
 prompt_template = PROMPT_TEMPLATE.llama3_chat
 max_length = 2048            # tokens per row; longer samples are truncated
 pack_to_max_length = True    # several whole samples per row, never split
@@ -66,6 +67,7 @@ save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training
+evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short
 SYSTEM = SYSTEM_TEMPLATE.alpaca
 evaluation_inputs = ['Give three tips for staying healthy.',
                      'Please tell me five scenic spots in Shanghai']
@@ -94,10 +96,10 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_dataset, path=data_path),
+    dataset=dict(type=load_data_path, path=data_path),
     tokenizer=tokenizer,
     max_length=max_length,
-    dataset_map_fn=alpaca_map_fn,
+    dataset_map_fn=dataset_map_fn,
     template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
     remove_unused_columns=True,
     shuffle_before_pack=True,
@@ -116,15 +118,15 @@ train_dataloader = dict(
 #                    PART 4  Scheduler & Optimizer                            #
 ###############################################################################
 optim_wrapper = dict(
-    type=AmpOptimWrapper,       # falls back to a plain OptimWrapper on CPU, with a warning
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
     optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
     clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
     accumulative_counts=accumulative_counts,
     loss_scale='dynamic',
     dtype='bfloat16')
 
-# Linear warm-up from lr x 1e-5 over warmup_ratio of the run, then cosine to 0.
-# Bounds are in epochs (3% of 3 epochs = 0.09), converted to iterations at run time.
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
 param_scheduler = [
     dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
          begin=0, end=warmup_ratio * max_epochs),
@@ -138,16 +140,17 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 #                            PART 5  Runtime                                  #
 ###############################################################################
 # Hooks of this run: dataset statistics before training, sample generations every
-# `evaluation_freq` iterations, throughput in the log.
+# `evaluation_freq` iterations and before and after training, throughput in the log.
 custom_hooks = [
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
-         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template),
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
+         max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
 ]
 
-# Timer, logger (every 10 iterations), lr scheduler and sampler-seed hooks come from
-# _base_/runtime.py; the checkpoint hook depends on this run's settings.
+# Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
+# the checkpoint hook depends on this run's settings.
 default_hooks = dict(
     **base_hooks,
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,

@@ -225,7 +225,7 @@ def _add_rope_theta(config_json: Path) -> None:
 
 def builtin_data_file(name: str) -> str:
     """Path of a data file shipped with the built-in configs (``configs/_data_/``),
-    for configs: ``data_files=dict(type=builtin_data_file, name='self_identity.jsonl')``
+    for configs: ``data_path=dict(type=builtin_data_file, name='self_identity.jsonl')``
     works from an editable checkout, an installed package and a `copy-cfg` copy."""
     from sfttool.config.loader import builtin_config_dir
 

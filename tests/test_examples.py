@@ -91,7 +91,7 @@ def test_demo_config_resolves_model_and_data_lazily(monkeypatch, tmp_path):
     llm = cfg.model.llm.pretrained_model_name_or_path
     llm = dict(llm, type=sfttool.assets.export_smollm2)  # the patched function, as the config names it
     assert build(llm) == tmp_path and calls == [1]
-    assert build(cfg.train_dataset.dataset.data_files) == builtin_data_file("self_identity.jsonl")
+    assert build(cfg.train_dataset.dataset.path) == builtin_data_file("self_identity.jsonl")
 
 
 def copy_with_tiny_model(example: Path, model_dir: Path, dest: Path) -> Path:

@@ -33,4 +33,6 @@ def cfg_options_option(fn):
         return fn(*args, cfg_options=merge_cfg_options(tuple(cfg_options), extra), **kwargs)
 
     return click.option("--cfg-options", multiple=True, metavar="KEY=VALUE",
-                        help="Override config keys: --cfg-options a.b=1 c=x (or repeat the flag).")(wrapper)
+                        help="Override config settings: a top-level name re-runs the config with it "
+                        "(lr=1e-4 max_epochs=1), a dotted key edits the loaded config (model.lora.r=16); "
+                        "several pairs after one flag, or repeat the flag.")(wrapper)

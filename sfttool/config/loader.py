@@ -78,37 +78,48 @@ def parse_cfg_options(options: Iterable[str]) -> dict:
 def load_config(name_or_path: str | Path, cfg_options: dict | Iterable[str] | None = None):
     """Load a config file (or built-in name) and apply ``key=value`` overrides.
 
-    Errors while executing the config (syntax errors, failing imports, missing
-    names) are re-raised as ``ConfigError`` naming the file and line.
+    A top-level name (``lr=1e-4``) re-runs the config with its assignment replaced, so every value
+    computed from it follows; a dotted key (``model.lora.r=8``) edits the loaded config, as in
+    mmengine. Errors while executing the config (syntax errors, failing imports, missing names)
+    are re-raised as ``ConfigError`` naming the file and line.
     """
-    from mmengine.config import Config
-    from mmengine.config.utils import ConfigParsingError
-
     compat.apply_all()
     path = find_config(name_or_path)
+    options = cfg_options if isinstance(cfg_options, dict) else parse_cfg_options(cfg_options or [])
     try:
-        cfg = Config.fromfile(str(path))
+        # An old-style config (`_base_ = [...]`) keeps mmengine's meaning: every key edits the result.
+        names = {} if overrides.has_base_key(path) else overrides.parameters(path, options)
+        cfg = _read(path, {where: value for where, value in names.values()})
+        rest = {key: value for key, value in options.items() if key not in names}
+        overrides.check_overrides(cfg, rest, path)
+    except overrides.OverrideError as exc:
+        raise ConfigError(str(exc)) from None
     except SyntaxError as exc:
         # mmengine parses without a file name ('<unknown>'): find the real file.
         exc = find_syntax_error(path) or exc
         where = f"{exc.filename if exc.filename and exc.filename[0] != '<' else path}:{exc.lineno}"
         raise ConfigError(f"{where}: syntax error in config: {exc.msg}") from None
-    except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError,
-            ConfigParsingError) as exc:
-        raise ConfigError(f"{path}: the config failed to load: {type(exc).__name__}: {exc}") from None
-    if cfg_options:
-        if not isinstance(cfg_options, dict):
-            cfg_options = parse_cfg_options(cfg_options)
+    if rest:
         try:
-            overrides.check_overrides(cfg, cfg_options, path)
-        except overrides.OverrideError as exc:
-            raise ConfigError(str(exc)) from None
-        try:
-            cfg.merge_from_dict(cfg_options)
+            cfg.merge_from_dict(rest)
         except Exception as exc:  # mmengine raises several types for bad keys
             raise ConfigError(f"{path}: --cfg-options could not be applied: {exc}") from None
     resolve_lazy_imports(cfg, path)
     return cfg
+
+
+def _read(path: Path, values: dict):
+    """Execute the config, with ``values`` replacing the assignments at ``(file, line)``."""
+    from mmengine.config import Config
+    from mmengine.config.utils import ConfigParsingError
+
+    try:
+        with overrides.substituted(values):
+            # A plain file is loaded the pure-Python way when a name in it is overridden.
+            return Config.fromfile(str(path), lazy_import=True if values else None)
+    except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError,
+            ConfigParsingError) as exc:
+        raise ConfigError(f"{path}: the config failed to load: {type(exc).__name__}: {exc}") from None
 
 
 def resolve_lazy_imports(cfg, path: Path) -> None:

@@ -1,32 +1,35 @@
-"""``--cfg-options KEY=VALUE``: parse them, and refuse the ones that would change nothing.
+"""``--cfg-options KEY=VALUE``: a setting's name re-runs the config, a dotted key edits the result.
 
-A pure-Python config is executed once: ``optim_wrapper = dict(optimizer=dict(lr=lr))``
-copies the value of ``lr`` into ``optim_wrapper``. Overriding ``lr`` afterwards
-changes the variable, not the copy the runner builds from, so training would
-silently use the old value. The same holds for a whole dict that is copied
-into another (``train_dataloader = dict(dataset=train_dataset)``: overriding
-``train_dataset.max_length`` reaches nothing). This module reads the config's
-source (and its ``read_base`` parts) to know which key was copied where, and
-names the keys to override instead.
+A pure-Python config is a program: ``optim_wrapper = dict(optimizer=dict(lr=lr))`` copies the
+value of ``lr``. So ``lr=1e-4`` replaces the value of the assignment ``lr = ...`` that decides
+the final value (the config's own, else the last ``read_base`` part defining it, as in Python)
+before mmengine executes the files, and everything computed from ``lr`` follows.
+
+A dotted key (``model.lora.r=8``) keeps mmengine's meaning: it edits the executed config. That
+still cannot reach a copy, so a dotted key into a dict the config only copies into others
+(``train_dataset.max_length``: training reads ``train_dataloader.dataset``) is refused with the
+keys to use instead.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Iterator
+
 from sfttool.errors import SfttoolError
 
 # Top-level keys that the runner, the train entry or the tools read themselves: an override may add them.
 READ_KEYS = frozenset({
-    "model", "tokenizer", "train_dataloader", "train_dataset", "optim_wrapper", "param_scheduler", "train_cfg",
+    "model", "tokenizer", "train_dataloader", "optim_wrapper", "param_scheduler", "train_cfg",
     "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness", "seed",
     "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters",
     "experiment_name"})
 
 # Copied into the dicts training builds, but also read directly by a tool (convert saves `tokenizer`
-# beside the weights): an override is allowed, with a warning naming the copies training uses.
+# beside the weights): a dotted override is allowed, with a warning naming the copies training uses.
 READ_BY_TOOLS = frozenset({"tokenizer"})
 
 
@@ -52,115 +55,215 @@ def parse_cfg_options(options: Iterable[str]) -> dict:
     return result
 
 
-def check_overrides(cfg, overrides: dict, path: Path) -> None:
-    """Refuse an override of a key the config copied elsewhere, or of a top-level name it does not have."""
-    copies = copied_keys(path)
-    for key in overrides:
+# ---------------------------------------------------------------------------
+# Names: found in the source, substituted before execution.
+
+def parameters(path: Path, options: dict) -> dict[str, tuple[tuple[Path, int], ast.expr]]:
+    """``{name: ((file, line), value)}``: the assignment each undotted option replaces, and with what.
+
+    Raises when a replaced name is read by nothing afterwards (a config dumped by a run holds
+    values, not names), so the override would change nothing but itself.
+    """
+    chain = _chain(Path(path).resolve())
+    found = {}
+    for name, value in options.items():
+        if "." in name or name in ("type", "_base_"):
+            continue
+        where = _winner(Path(path).resolve(), name)
+        if where is None:
+            continue
+        if name not in READ_KEYS and not _read_after(chain, where, name):
+            raise OverrideError(
+                f"{path}: --cfg-options {name}: the config sets `{name}` ({where[0].name}:{where[1]}) but "
+                "nothing in it reads the name afterwards, so the override would change nothing else (a config "
+                "dumped by a run holds values, not names); override the dotted keys that hold the value")
+        node = _literal(value)
+        if node is None and name in READ_KEYS:
+            continue  # an object from Python code, for a key the runner reads itself: set after loading
+        if node is None:
+            raise OverrideError(f"--cfg-options {name}: {value!r} is not a Python literal")
+        found[name] = (where, node)
+    return found
+
+
+def _literal(value: Any) -> ast.expr | None:
+    """``value`` as source the config can execute, or None when it is no literal."""
+    try:
+        node = ast.parse(repr(value), mode="eval").body
+        ast.literal_eval(node)
+    except (SyntaxError, ValueError):
+        return None
+    return node
+
+
+def _parse(file: Path) -> ast.Module:
+    return ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+
+
+def _assigns(stmt: ast.stmt, name: str) -> bool:
+    if isinstance(stmt, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
+    return isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name \
+        and stmt.value is not None
+
+
+def _base_imports(file: Path, tree: ast.Module) -> Iterator[tuple[ast.stmt, Path, dict[str, str]]]:
+    """``(with_stmt, base_file, {name here: name there})`` per import of a ``read_base()`` block,
+    resolved the way mmengine resolves it; ``'*'`` maps to itself for a star import."""
+    for stmt in tree.body:
+        if not (isinstance(stmt, ast.With) and any(
+                isinstance(i.context_expr, ast.Call) and getattr(i.context_expr.func, "id", None) == "read_base"
+                for i in stmt.items)):
+            continue
+        for imp in stmt.body:
+            if isinstance(imp, ast.ImportFrom) and imp.module:
+                base = _base_file(file, imp)
+                if base is not None and base.is_file():
+                    yield stmt, base, {a.asname or a.name: a.name for a in imp.names}
+
+
+def _base_file(file: Path, imp: ast.ImportFrom) -> Path | None:
+    parts = imp.module.split(".")
+    if imp.level:
+        return file.parent.joinpath(*[".."] * (imp.level - 1), *parts).with_suffix(".py").resolve()
+    if len(parts) < 2:
+        return None
+    from mmengine.config import config as mm_config  # its lookup, with sfttool.compat's fix applied
+    try:
+        return Path(mm_config.get_installed_path(parts[0]), *parts[1:]).with_suffix(".py").resolve()
+    except Exception:  # not installed: mmengine reports it when it loads the config
+        return None
+
+
+def _winner(file: Path, name: str, depth: int = 0) -> tuple[Path, int] | None:
+    """The ``(file, line)`` of the assignment that gives ``name`` its final value in ``file``."""
+    if depth > 20:  # a base importing itself: mmengine reports the loop
+        return None
+    tree, last = _parse(file), None
+    imports = {id(stmt): [] for stmt in tree.body}
+    for stmt, base, names in _base_imports(file, tree):
+        imports[id(stmt)].append((base, names))
+    for stmt in tree.body:
+        if _assigns(stmt, name):
+            last = (file, stmt.lineno)
+        for base, names in imports.get(id(stmt), ()):
+            source = names.get(name, name if "*" in names else None)
+            found = _winner(base, source, depth + 1) if source else None
+            last = found or last
+    return last
+
+
+def _chain(file: Path, depth: int = 0) -> list[tuple[Path, ast.Module]]:
+    """The config and its ``read_base`` parts, parts first (the order mmengine executes them)."""
+    tree = _parse(file)
+    parts = [] if depth > 20 else [p for _, base, _ in _base_imports(file, tree) for p in _chain(base, depth + 1)]
+    return parts + [(file, tree)]
+
+
+def _read_after(chain: list[tuple[Path, ast.Module]], where: tuple[Path, int], name: str) -> bool:
+    """Whether ``name`` is read after the assignment at ``where`` (in that file, or in another)."""
+    for file, tree in chain:
+        statements = [s for s in tree.body if file != where[0] or s.lineno > where[1]]
+        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+               for s in statements for n in ast.walk(s)):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def substituted(values: dict[tuple[Path, int], ast.expr]) -> Iterator[None]:
+    """While loading, execute each ``(file, line)`` assignment with the given value instead.
+
+    mmengine 0.10 parses each file of a pure-Python config with ``ast`` and hands the tree to its
+    ``ImportTransformer`` (looked up in ``mmengine.config.config`` at each call) before executing
+    it; a subclass that first swaps the assigned values is the one narrow place to do it.
+    """
+    from mmengine.config import config as mm_config
+
+    original = mm_config.ImportTransformer
+
+    class Substituting(original):
+        def __init__(self, *args, filename=None, **kwargs):
+            super().__init__(*args, filename=filename, **kwargs)
+            self._file = Path(filename).resolve() if filename else None
+
+        def visit(self, node):
+            if isinstance(node, ast.Module):
+                for stmt in node.body:
+                    value = values.get((self._file, getattr(stmt, "lineno", None)))
+                    if value is not None and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                        stmt.value = value
+            return super().visit(node)
+
+    mm_config.ImportTransformer = Substituting
+    try:
+        yield
+    finally:
+        mm_config.ImportTransformer = original
+
+
+def has_base_key(path: Path) -> bool:
+    """An old-style config (``_base_ = [...]``): mmengine merges its files; names are not re-run."""
+    return any(_assigns(stmt, "_base_") for stmt in _parse(Path(path)).body)
+
+
+# ---------------------------------------------------------------------------
+# Dotted keys and new names: checked against the executed config.
+
+def check_overrides(cfg: Any, options: dict, path: Path) -> None:
+    """Refuse a new name nothing reads, or a dotted key into a dict training only reads copies of."""
+    for key in options:
         root, _, rest = key.partition(".")
         if root not in cfg and root not in READ_KEYS:
             close = difflib.get_close_matches(root, [str(k) for k in cfg.keys()], n=3, cutoff=0.6)
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise OverrideError(f"{path}: --cfg-options {key}: the config has no setting `{root}`{hint}; "
                                 "a new name would be read by nothing")
-        targets = [f"{target}.{rest}" if rest else target for target in copies.get(root, [])]
-        shown = ", ".join(targets[:6]) + (f" and {len(targets) - 6} more" if len(targets) > 6 else "")
-        if targets and root in READ_BY_TOOLS:
+        if not rest or root not in cfg or (root in READ_KEYS and root not in READ_BY_TOOLS):
+            continue
+        targets = copied_to(cfg, root)
+        # Name the copies training reads, not those inside other building blocks (train_dataset).
+        targets = [t for t in targets if t.partition(".")[0] in READ_KEYS] or targets
+        copies = [f"{target}.{rest}" for target in targets]
+        shown = ", ".join(copies[:6]) + (f" and {len(copies) - 6} more" if len(copies) > 6 else "")
+        if copies and root in READ_BY_TOOLS:
             from mmengine.logging import print_log
             print_log(f"--cfg-options {key}: the tools (convert) read `{root}` itself, but training uses the "
                       f"copies the config made of it; to change training, override {shown}",
                       logger="current", level=logging.WARNING)
-        elif targets:
+        elif copies:
             raise OverrideError(
                 f"{path}: --cfg-options {key}: the config copied `{root}` into the dicts it builds, so changing "
                 f"it alone has no effect; override where it was copied instead: {shown}")
 
 
-def copied_keys(path: Path) -> dict[str, list[str]]:
-    """For each top-level name of a config, the keys its value was copied into, following copies of
-    copies, ending at keys nothing copies further.
+def copied_to(cfg: Any, root: str) -> list[str]:
+    """Keys (other than ``root``) holding ``cfg[root]``, or, for a dict, a dict made from all of it
+    (``dict(**base_hooks, checkpoint=...)``).
 
-    >>> # lr = 1; opt = dict(lr=lr); runner = dict(optim=opt)
-    >>> # -> {'lr': ['runner.optim.lr'], 'opt': ['runner.optim']}
+    >>> copied_to({'opt': {'lr': 1, 'b': 2}, 'wrap': {'optimizer': {'lr': 1, 'b': 2}}}, 'opt')
+    ['wrap.optimizer']
     """
-    direct: dict[str, set[str]] = {}
-    for file in _config_files(path):
-        try:
-            tree = ast.parse(file.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError):
-            continue
-        for stmt in tree.body:
-            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-                target = stmt.targets[0].id
-                for uses in direct.values():  # the old value of `target` is gone, and its copies with it
-                    uses -= {u for u in uses if u == target or u.startswith(target + ".")}
-                for name, dotted in _references(stmt.value, target):
-                    if name != target:  # `hooks = dict(**hooks, ...)` extends the old value
-                        direct.setdefault(name, set()).add(dotted)
-    return {name: sorted(_final(name, direct, set())) for name in direct}
+    value = cfg[root]
+    if not isinstance(value, (dict, list, tuple)) or len(value) < 2:
+        return []  # a scalar or a one-item container equals too many unrelated values to tell
+    found: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        if key != root and (node == value or isinstance(node, dict) and isinstance(value, dict)
+                            and _contains(node, value)):
+            found.append(key)
+        elif isinstance(node, dict):
+            for k in node.keys():
+                walk(dict.__getitem__(node, k), f"{key}.{k}" if key else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, item in enumerate(node):
+                walk(item, f"{key}.{i}")
+
+    walk(getattr(cfg, "_cfg_dict", cfg), "")
+    return sorted(found)
 
 
-def _final(name: str, direct: dict[str, set[str]], seen: set[str]) -> set[str]:
-    out = set()
-    for dotted in direct.get(name, ()):
-        root, _, rest = dotted.partition(".")
-        if root in direct and root not in seen:  # copied again: follow it
-            out |= {f"{d}.{rest}" if rest else d for d in _final(root, direct, seen | {name})}
-        else:
-            out.add(dotted)
-    return out
+def _contains(node: dict, part: dict) -> bool:
+    return all(k in node and dict.__getitem__(node, k) == v for k, v in dict.items(part))
 
-
-def _references(node: ast.AST, dotted: str) -> Iterable[tuple[str, str]]:
-    """``(name, key)`` for each name the value at ``dotted`` was computed from."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-        for kw in node.keywords:
-            if kw.arg is None:  # **other: merged into this dict
-                yield from ((n, dotted) for n in _names(kw.value))
-            elif kw.arg != "type":
-                yield from _references(kw.value, f"{dotted}.{kw.arg}")
-    elif isinstance(node, ast.Dict):
-        for key, value in zip(node.keys, node.values):
-            if isinstance(key, ast.Constant) and isinstance(key.value, str):
-                yield from _references(value, f"{dotted}.{key.value}")
-            else:
-                yield from ((n, dotted) for n in _names(value))
-    elif isinstance(node, (ast.List, ast.Tuple)):
-        for i, element in enumerate(node.elts):
-            yield from _references(element, f"{dotted}.{i}")
-    else:
-        yield from ((n, dotted) for n in _names(node))
-
-
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
-
-def _config_files(path: Path) -> list[Path]:
-    """The config and, first, the files its ``read_base()`` block imports (recursively)."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return []
-    files = []
-    for stmt in tree.body:
-        if isinstance(stmt, ast.With) and any(isinstance(i.context_expr, ast.Call) and
-                                              getattr(i.context_expr.func, "id", None) == "read_base"
-                                              for i in stmt.items):
-            for imp in (s for s in stmt.body if isinstance(s, ast.ImportFrom)):
-                base = _base_path(path, imp)
-                if base is not None and base.is_file():
-                    files += _config_files(base)
-    return files + [path]
-
-
-def _base_path(path: Path, imp: ast.ImportFrom) -> Path | None:
-    parts = (imp.module or "").split(".")
-    if imp.level:
-        folder = path.parent
-        for _ in range(imp.level - 1):
-            folder = folder.parent
-        return folder.joinpath(*parts).with_suffix(".py")
-    if parts[:2] == ["sfttool", "configs"]:
-        from sfttool.config.loader import builtin_config_dir
-        return builtin_config_dir().joinpath(*parts[2:]).with_suffix(".py")
-    return None

@@ -1,9 +1,12 @@
 """Check a loaded config before anything is built; report every problem at once."""
 from __future__ import annotations
 
-import difflib
-import inspect
-from typing import Any, Callable
+import os
+from typing import Any
+
+from sfttool.config.arguments import check_arguments, typed_nodes
+
+__all__ = ["check_arguments", "check_data_paths", "validate_config"]
 
 REQUIRED_KEYS = {
     "model": "the model to train, e.g. model = dict(type=SupervisedFinetune, llm=...)",
@@ -46,106 +49,39 @@ def validate_config(cfg: Any, path: str = "config") -> list[str]:
     tc = _get(cfg, "train_cfg")
     if isinstance(tc, dict) and tc.get("max_epochs") is None and tc.get("max_iters") is None:
         errors.append(f"{path}: train_cfg: set max_epochs (or max_iters) so the run has a length")
-    return errors + check_arguments(cfg, path)
+    return errors + check_arguments(cfg, path) + check_data_paths(cfg, path)
 
 
-# ---------------------------------------------------------------------------
-# Argument names of what the runner builds itself (the data loader, sampler, optimizer, schedulers,
-# loop and hooks): mmengine builds most of them only when training starts, or, for the checkpoint
-# hook, passes them on at the first save, so a misspelt name would fail after the dataset and the
-# model were built, or after hours of training. The model and dataset go through sfttool's registry,
-# whose errors already name the key.
-
-# mmengine's DataLoader keys it takes out before calling torch's DataLoader.
-_DATALOADER_KEYS = {"dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "num_batch_per_epoch"}
-
-
-def check_arguments(cfg: Any, path: str) -> list[str]:
-    """``'<file>: <key>: <Type> takes no argument `x` (did you mean y?)'`` for each unknown argument."""
-    from mmengine.registry import DATA_SAMPLERS, HOOKS, LOOPS, OPTIMIZERS, PARAM_SCHEDULERS
-    from torch.utils.data import DataLoader
-    nodes: list[tuple[str, Any, Any]] = [("optim_wrapper.optimizer", _get(cfg, "optim_wrapper.optimizer"),
-                                          OPTIMIZERS),
-                                         ("train_dataloader.sampler", _get(cfg, "train_dataloader.sampler"),
-                                          DATA_SAMPLERS),
-                                         ("train_cfg", _get(cfg, "train_cfg"), LOOPS)]
-    schedulers = _get(cfg, "param_scheduler")
-    for i, node in enumerate(schedulers if isinstance(schedulers, list) else [schedulers]):
-        nodes.append((f"param_scheduler.{i}" if isinstance(schedulers, list) else "param_scheduler", node,
-                      PARAM_SCHEDULERS))
-    for name, node in (_get(cfg, "default_hooks") or {}).items():
-        nodes.append((f"default_hooks.{name}", node, HOOKS))
-    for i, node in enumerate(_get(cfg, "custom_hooks") or []):
-        nodes.append((f"custom_hooks.{i}", node, HOOKS))
+def check_data_paths(cfg: Any, path: str) -> list[str]:
+    """Local data files that do not exist (``data_path``, or the ``data_files`` of XTuner's
+    ``dict(type=load_dataset, path='json', data_files=...)``), found now rather than when the
+    dataset is built. Only literal paths are checked: a lazily built one (the demo's
+    ``builtin_data_file``) is not built here."""
+    from sfttool.dataset.data_path import data_source, load_data_path
+    from sfttool.dataset.errors import DatasetError
     errors = []
-    for key, node, registry in nodes:
-        if not isinstance(node, dict):
-            continue
-        fn = _loop_class(node) if key == "train_cfg" else _resolve(node.get("type"), registry)
-        if fn is not None:
-            errors += _unknown(path, key, node, fn, _accepted(fn))
-    dataloader = _get(cfg, "train_dataloader")
-    if isinstance(dataloader, dict):
-        errors += _unknown(path, "train_dataloader", dataloader, DataLoader,
-                           (_accepted(DataLoader) or set()) | _DATALOADER_KEYS)
+    for key, node, fn, _ in typed_nodes(cfg):
+        if fn is load_data_path and isinstance(node.get("path"), str):
+            try:
+                data_source(node["path"])
+            except DatasetError as exc:
+                errors.append(f"{path}: {key}.path: {exc}")
+        elif getattr(fn, "__name__", "") == "load_dataset":
+            errors += [f"{path}: {key}.data_files: no such file {file!r}; set data_files to your data file "
+                       "(a path relative to the folder you run from, or absolute)" for file in _missing_files(node)]
     return errors
 
 
-def _unknown(path: str, key: str, node: dict, fn: Callable, accepted: set[str] | None) -> list[str]:
-    if accepted is None:
-        return []
-    out = []
-    for arg in node:
-        # by_epoch picks the loop class; convert_to_iter_based is taken by mmengine's scheduler builder
-        if arg in ("type", "by_epoch", "convert_to_iter_based") or arg in accepted:
-            continue
-        close = difflib.get_close_matches(arg, sorted(accepted), n=2, cutoff=0.6)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        out.append(f"{path}: {key}.{arg}: {getattr(fn, '__name__', fn)} takes no argument `{arg}`{hint}")
-    return out
+def _missing_files(node: dict) -> list[str]:
+    from sfttool.dataset.load import data_file_list
+    files = node.get("data_files")
+    if not isinstance(files, (str, list, tuple, dict)) or _has_typed(files):
+        return []  # built lazily: not built here
+    return [f for f in data_file_list(files)
+            if not any(c in f for c in "*?[") and "://" not in f and not os.path.exists(os.path.expanduser(f))]
 
 
-def _resolve(type_: Any, registry) -> Any:
-    if isinstance(type_, str):
-        try:
-            return registry.get(type_)
-        except Exception:  # unknown names are reported by the build itself
-            return None
-    return type_ if callable(type_) else None
-
-
-def _loop_class(node: dict) -> Any:
-    from mmengine.registry import LOOPS
-    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
-    if "type" in node:
-        return _resolve(node["type"], LOOPS)
-    if "by_epoch" not in node:
-        return None  # mmengine needs one of the two; the build says so
-    return EpochBasedTrainLoop if node["by_epoch"] else IterBasedTrainLoop
-
-
-def _accepted(fn: Any) -> set[str] | None:
-    """Keyword names ``fn`` takes, following ``**kwargs`` into base classes; None when any goes."""
-    from mmengine.hooks import CheckpointHook
-    from mmengine.runner import Runner
-    names: set[str] = set()
-    if isinstance(fn, type):
-        targets = []
-        for cls in fn.__mro__:
-            if "__init__" in cls.__dict__ and cls is not object:
-                targets.append(cls.__dict__["__init__"])
-            if cls is CheckpointHook:
-                # CheckpointHook keeps unknown keywords and hands them to Runner.save_checkpoint at each save.
-                targets.append(Runner.save_checkpoint)
-                break
-    else:
-        targets = [fn]
-    for target in targets:
-        try:
-            parameters = inspect.signature(target).parameters.values()
-        except (TypeError, ValueError):
-            return None
-        names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
-            return names
-    return None
+def _has_typed(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "type" in node or any(_has_typed(v) for v in node.values())
+    return isinstance(node, (list, tuple)) and any(_has_typed(v) for v in node)

@@ -11,6 +11,7 @@ import pytest
 from mmengine.config.lazy import LazyAttr, LazyObject
 
 from sfttool.config import builtin_config_dir, list_configs, load_config, validate_config
+from sfttool.dataset.data_path import load_data_path
 from sfttool.registry import build, resolve_type
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -79,7 +80,11 @@ def test_config_loads_and_every_type_resolves(path):
     assert len(types) >= 10, types  # model, llm, tokenizer, dataset, hooks, schedulers ...
     for key, type_ in types.items():
         assert callable(resolve_type(type_, key)), key
-    assert validate_config(cfg, str(path)) == []
+    # A custom JSON config names a placeholder file: training it unedited stops at validation.
+    placeholder = [f"{path}: train_dataloader.dataset.dataset.path: data_path '/path/to/your/data.jsonl': no such "
+                   "file or folder; set data_path (PART 1 of the config) to your data file, a folder or a glob, or "
+                   "a dataset name on the hub"]
+    assert validate_config(cfg, str(path)) == (placeholder if path.stem.endswith("custom_json_e3") else [])
 
 
 @pytest.mark.parametrize("path", FAMILY_CONFIGS, ids=lambda p: p.stem)
@@ -127,20 +132,40 @@ def test_families_methods_and_custom_json_are_covered():
 @pytest.mark.parametrize("name", [p.stem for p in FAMILY_CONFIGS if _parts(p.stem)["data"] == "custom_json"])
 def test_custom_json_configs_read_a_local_file_in_the_standard_format(name):
     cfg = load_config(name)
-    ds = cfg.train_dataset
-    assert ds.dataset_map_fn is None
-    assert ds.dataset.path == "json" and ds.dataset.data_files == cfg.data_files
-    assert cfg.data_files == ["/path/to/your/data.json"]
+    assert cfg.dataset_map_fn is None and cfg.train_dataset.dataset_map_fn is None
+    assert cfg.data_path == "/path/to/your/data.jsonl"
+    assert cfg.train_dataloader.dataset.dataset == dict(type=load_data_path, path=cfg.data_path)
 
 
-def test_cfg_options_point_a_custom_json_config_at_a_real_file(tiny_sft_jsonl):
-    # The runner reads train_dataloader.dataset: that is the key to override
-    # (train_dataset is a separate copy once the config is loaded).
-    cfg = load_config("qwen2_5_0_5b_instruct_full_custom_json_e3",
-                      [f"train_dataloader.dataset.dataset.data_files=['{tiny_sft_jsonl}']"])
+def test_data_path_points_a_custom_json_config_at_a_real_file(tiny_sft_jsonl):
+    cfg = load_config("qwen2_5_0_5b_instruct_full_custom_json_e3", [f"data_path={tiny_sft_jsonl}"])
     node = cfg.train_dataloader.dataset.dataset
     rows = build(node, "train_dataloader.dataset.dataset")
     assert rows["train"].column_names == ["conversation"] and len(rows["train"]) == 64
+
+
+def _parts_3_to_5(path: Path) -> str:
+    text = path.read_text()
+    return text[text.rfind("\n#####", 0, text.index("PART 3 ")):]
+
+
+REFERENCE = CONFIG_DIR / "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_parts_3_to_5_are_the_same_in_every_builtin_config(path):
+    """Configs differ only where the runs differ: PART 1 (settings, the data source and its map fn)
+    and PART 2 (model and tokenizer). The demo is no exception."""
+    assert _parts_3_to_5(path) == _parts_3_to_5(REFERENCE)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_sample_generation_length_is_a_part1_setting(path):
+    cfg = load_config(path.stem, ["evaluation_max_new_tokens=7"])
+    chat_hook = next(h for h in cfg.custom_hooks if _materialise(h["type"]).__name__ == "EvaluateChatHook")
+    assert chat_hook["max_new_tokens"] == 7
+    text = path.read_text()
+    assert text.index("evaluation_max_new_tokens = ") < text.index("PART 2 ")
 
 
 def test_shared_peft_parts_build_real_objects():
@@ -203,20 +228,11 @@ def test_non_editable_install_ships_the_configs(tmp_path):
 
 
 def _point_at_tiny_assets(name, model_dir, data_file):
-    """Load a built-in config with every model/tokenizer path and the data
-    redirected to offline assets (a user would edit PART 1 of a copy instead)."""
-    cfg = load_config(name)
-    options = {"model.llm.pretrained_model_name_or_path": str(model_dir),
-               "model.llm.dtype": "float32",
-               "train_dataloader.dataset.tokenizer.pretrained_model_name_or_path": str(model_dir),
-               "train_dataloader.dataset.max_length": 256,
-               "train_dataloader.dataset.map_num_proc": 1,
-               "train_dataloader.dataset.dataset": dict(path="json", data_files=[str(data_file)])}
-    for i, hook in enumerate(cfg.custom_hooks):
-        if "tokenizer" in hook:
-            options[f"custom_hooks.{i}.tokenizer.pretrained_model_name_or_path"] = str(model_dir)
-    cfg.merge_from_dict(options)
-    return cfg
+    """Load a built-in config with the model and the data redirected to offline assets, the way
+    a user would: PART 1 settings from the command line."""
+    return load_config(name, [f"pretrained_model_name_or_path={model_dir}", f"data_path={data_file}",
+                              "max_length=256", "model.llm.dtype=float32",
+                              "train_dataloader.dataset.map_num_proc=1"])
 
 
 @pytest.fixture(scope="module")

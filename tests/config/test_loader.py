@@ -178,52 +178,6 @@ def test_misspelt_import_is_reported_at_load_with_file_and_line(tmp_path):
     assert str(path) in message and "AutoModelForCausalLMX" in message and "line 1" in message
 
 
-def test_overriding_a_copied_setting_is_refused_with_the_built_keys(tmp_path):
-    path = tmp_path / "c.py"
-    path.write_text("lr = 2e-4\nseed = 1\noptim_wrapper = dict(optimizer=dict(type='torch.optim.AdamW', lr=lr))\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["lr=1e-4"])
-    assert "optim_wrapper.optimizer.lr" in str(info.value) and str(path) in str(info.value)
-    assert load_config(path, ["optim_wrapper.optimizer.lr=1e-4"]).optim_wrapper.optimizer.lr == 1e-4
-    assert load_config(path, ["seed=7"]).seed == 7  # read by the train entry itself
-
-
-def test_an_override_of_a_name_the_config_lacks_is_refused_with_close_matches(tmp_path):
-    path = tmp_path / "c.py"
-    path.write_text("max_length = 64\nmodel = dict(n=max_length)\n")
-    with pytest.raises(ConfigError, match=r"--cfg-options max_lenght: the config has no setting `max_lenght` "
-                                          r"\(did you mean max_length\?\)"):
-        load_config(path, ["max_lenght=32"])
-    assert load_config(path, ["work_dir='w'"]).work_dir == "w"  # read by the runner: may be added
-
-
-def test_a_copied_dict_and_copies_of_copies_name_the_key_that_is_built(tmp_path):
-    """train_dataset is copied into train_dataloader: overriding it reaches nothing; seed went into
-    randomness. The keys named are the ones the runner builds from, found in the config source."""
-    path = tmp_path / "c.py"
-    path.write_text("max_length = 64\nseed = 1\nalpha = 16\naccum = 16\n"
-                    "train_dataset = dict(max_length=max_length, seed=seed)\n"
-                    "train_dataloader = dict(dataset=train_dataset, batch_size=1)\n"
-                    "model = dict(lora=dict(alpha=alpha))\noptim_wrapper = dict(accumulative_counts=accum)\n"
-                    "randomness = dict(seed=seed)\n")
-    cases = {"train_dataset.max_length=8": "train_dataloader.dataset.max_length$",
-             "max_length=8": "train_dataloader.dataset.max_length$",
-             "seed=3": "randomness.seed, train_dataloader.dataset.seed$",
-             "accum=8": "optim_wrapper.accumulative_counts$"}
-    for option, keys in cases.items():
-        with pytest.raises(ConfigError, match=r"copied `\w+` into the dicts it builds, .* instead: " + keys):
-            load_config(path, [option])
-    cfg = load_config(path, ["train_dataloader.dataset.max_length=8"])
-    assert cfg.train_dataloader.dataset.max_length == 8
-
-
-def test_a_builtin_config_names_the_right_keys():
-    with pytest.raises(ConfigError, match=r"instead: optim_wrapper.accumulative_counts$"):
-        load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["accumulative_counts=8"])
-    with pytest.raises(ConfigError, match=r"instead: model.lora.r$"):
-        load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", ["lora_config.r=8"])
-
-
 def test_misspelt_arguments_of_what_the_runner_builds_are_reported_before_training():
     """mmengine builds these when training starts (the checkpoint hook passes unknown names on to the
     first save): validation names each misspelt argument with its closest match, all at once."""
