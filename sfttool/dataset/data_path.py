@@ -84,18 +84,14 @@ def load_data_path(path: str | os.PathLike, **kwargs: Any):
     """Load ``data_path`` (see ``data_source``); other arguments go to ``datasets.load_dataset``.
 
     Local JSON files are checked line by line first, so a malformed row is reported by file
-    and line instead of by Arrow.
+    and line instead of by Arrow: the pipeline does it before building this (its
+    ``json_source_files`` knows ``load_data_path``), and so does ``check-custom-dataset``.
     """
     import datasets
 
     source = data_source(path)
     if source.pop("from_disk", False):
         return datasets.load_from_disk(source["path"])
-    if source["path"] == "json":
-        from sfttool.dataset.load import check_json_file
-        for file in source["data_files"]:
-            if not file.lower().endswith(".gz"):
-                check_json_file(file, field=kwargs.get("field"))
     return datasets.load_dataset(**source, **kwargs)
 
 

@@ -40,14 +40,22 @@ def pick_split(dataset: Any, split: str) -> Any:
 
 
 def json_source_files(dataset_cfg: Any) -> list[str]:
-    """The local JSON files a ``dict(type=load_dataset, path='json', data_files=...)`` config reads;
-    [] for any other dataset (the hub, a custom loader, a built dataset)."""
+    """The local JSON files a ``dict(type=load_dataset, path='json', data_files=...)`` or a
+    ``dict(type=load_data_path, path=...)`` config reads; [] for any other dataset (the hub, a
+    custom loader, a built dataset)."""
     from sfttool.dataset.load import local_json_files
     if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
         return []
     type_ = dataset_cfg["type"]
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    if name.rsplit(".", 1)[-1] != "load_dataset":
+    name = (type_ if isinstance(type_, str) else getattr(type_, "__name__", "")).rsplit(".", 1)[-1]
+    if name == "load_data_path":
+        from sfttool.dataset.data_path import data_source
+        try:
+            source = data_source(dataset_cfg.get("path"))
+        except DatasetError:
+            return []  # a missing path: load_data_path names it when the dataset is built
+        return local_json_files(source["path"], source.get("data_files"))
+    if name != "load_dataset":
         return []
     return local_json_files(dataset_cfg.get("path"), dataset_cfg.get("data_files"))
 

@@ -80,7 +80,10 @@ def test_files_of_different_kinds_are_refused(tmp_path):
 
 
 def test_a_malformed_json_line_is_named_before_arrow_reads_it(tmp_path):
+    from sfttool.dataset.resolve import json_source_files, resolve_dataset
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    config = dict(type=load_data_path, path=str(path))
+    assert json_source_files(config) == [str(path)]   # what the pipeline and check-custom-dataset check
     with pytest.raises(DatasetError, match=rf"{path}, line 2: invalid JSON"):
-        load_data_path(str(path))
+        resolve_dataset(config, "train")

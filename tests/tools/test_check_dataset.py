@@ -79,6 +79,18 @@ def test_malformed_jsonl_names_line(tmp_path, tiny_tokenizer_dir):
     assert f"ERROR: {tmp_path / 'data.jsonl'}, line 3: invalid JSON" in out
 
 
+def test_malformed_jsonl_read_through_data_path_names_line(tmp_path, tiny_tokenizer_dir):
+    good = json.dumps({"conversation": [{"input": "q", "output": "a"}]})
+    cfg = make_config(tmp_path, tiny_tokenizer_dir, lines=[good, "{broken"])
+    text = cfg.read_text().replace("dataset=dict(type=load_dataset, path='json', data_files=",
+                                   "dataset=dict(type=load_data_path, path=")
+    cfg.write_text("from sfttool.dataset.data_path import load_data_path\n" + text)
+    code, out = check(cfg)
+    assert code == 1
+    assert f"Checking every line of {tmp_path / 'data.jsonl'}" in out
+    assert f"ERROR: {tmp_path / 'data.jsonl'}, line 2: invalid JSON" in out
+
+
 def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
     rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
