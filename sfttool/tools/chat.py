@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
-from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
 from sfttool.errors import SfttoolError
+from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
                                  training_output_problem)
 
 
