@@ -185,6 +185,15 @@ def test_unknown_deepspeed_preset_is_a_one_line_error(tmp_path, tiny_cfg):
     assert "no such preset" in result.output and "zero2_offload" in result.output
 
 
+def test_a_misspelt_deepspeed_preset_names_the_close_match(tmp_path, tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "w"),
+                                      "--deepspeed", "zeor2"])
+    assert result.exit_code == 1
+    assert result.output.endswith("\nError: --deepspeed zeor2: no such file and no such preset; did you mean "
+                                  "zero2? presets: zero1, zero2, zero2_offload, zero3, zero3_offload (or a path to "
+                                  "a DeepSpeed JSON file)\n")
+
+
 def test_a_deepspeed_json_that_does_not_fit_fails_before_launching_and_before_the_work_dir(tmp_path, tiny_cfg):
     """Checked by the launcher for the planned process count (once, not once per rank), and in a worker
     before the work dir is made."""

@@ -12,7 +12,7 @@ import torch
 from engine_helpers import logged
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.hooks.dataset_info_hook import dataset_stats, trained_spans
-from sfttool.engine.hooks.evaluate_chat_hook import cut_at_stop_words
+from sfttool.utils.stop_words import cut_at_stop_words
 from sfttool.engine.hooks.throughput_hook import logical_numel, peak_tflops_of
 
 
@@ -137,6 +137,25 @@ def test_generation_kwargs_reach_generate(tmp_path, tiny_qwen2_dir, tiny_tokeniz
     assert kwargs.items() >= generation_kwargs.items()
     assert new_tokens == 3 if "max_new_tokens" in generation_kwargs else new_tokens <= 8
     assert (tmp_path / "eval_outputs" / "iter_0.jsonl").is_file()
+
+
+def test_sample_generations_stop_on_the_words_chat_stops_on(tmp_path, tiny_qwen2_dir, tiny_tokenizer, monkeypatch):
+    """The template's STOP_WORDS, the user's, the tokenizer's EOS and the model's generation-config end
+    tokens: the hook used to miss the last, and chat the hook's `stop_word`."""
+    from sfttool.tools.chat import ChatSession
+    from sfttool.utils import get_template
+
+    model = tiny_sft(tiny_qwen2_dir)
+    model.llm.generation_config.eos_token_id = [tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    hook = EvaluateChatHook(tiny_tokenizer, ["hi"], prompt_template="llama2_chat", stop_word="###",
+                            max_new_tokens=2)
+    monkeypatch.setattr(model.llm, "generate", lambda **kw: torch.cat(
+        [kw["input_ids"], torch.tensor([tiny_tokenizer.encode("ok<|im_start|>x")])], dim=1))
+    hook.before_train(fake_runner(model, tmp_path))
+    chat = ChatSession(model.llm, tiny_tokenizer, get_template("llama2_chat"), stop_words=["###"])
+    assert hook.stop_words == chat.stop_words == ["###", "<|im_end|>", "<|im_start|>"]
+    record = json.loads((tmp_path / "eval_outputs" / "iter_0.jsonl").read_text())
+    assert record["output"] == "ok"
 
 
 @pytest.mark.parametrize("max_iters, expected", [(8, [0, 4, 8]), (10, [0, 4, 8, 10])])
