@@ -233,33 +233,10 @@ def _is_weights_file(name: str) -> bool:
     return name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
 
 
-@contextlib.contextmanager
-def output_folder(save_dir: Path, error: type[Exception] = MergeError) -> Iterator[Path]:
-    """A hidden folder to write into, next to ``save_dir`` (inside it when it
-    already exists); when the block succeeds its files move into ``save_dir``
-    (other files already there are kept, except weight files of an earlier save
-    that the new one does not overwrite), and on any failure it is removed,
-    so a failed save never leaves a half-written model behind. An OS error
-    (disk full, no permission) becomes one line of ``error``."""
-    from sfttool.utils.atomic import TMP_MARK, _os_error_text, before_rename, partial_output_name
+def output_folder(save_dir: Path, error: type[Exception] = MergeError):
+    """Write an HF folder atomically (``sfttool.utils.atomic.atomic_folder``): other files
+    already in ``save_dir`` are kept, except weight files of an earlier save that the new
+    one does not overwrite (a stale shard or index next to new weights would load as a mix)."""
+    from sfttool.utils.atomic import atomic_folder
 
-    existing = save_dir.is_dir()
-    tmp = save_dir / f".partial{TMP_MARK}{os.getpid()}" if existing else partial_output_name(save_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        yield tmp
-        before_rename(tmp, save_dir)
-        if existing:
-            new = {item.name for item in tmp.iterdir()}
-            for old in save_dir.iterdir():  # weights of an earlier save that this one does not replace
-                if old.is_file() and old.name not in new and _is_weights_file(old.name):
-                    old.unlink()  # (a stale shard or index next to new weights would load as a mix)
-            for item in tmp.iterdir():
-                os.replace(item, save_dir / item.name)
-        else:
-            os.replace(tmp, save_dir)
-    except OSError as exc:
-        raise error(f"could not save {save_dir}: {_os_error_text(exc)}; the partial output was removed") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return atomic_folder(save_dir, error, stale=_is_weights_file)

@@ -138,13 +138,16 @@ class PreemptionHook(Hook):
     def _save_without_checkpoint_hook(runner, step: int) -> Path:
         from mmengine.dist import barrier, is_main_process
 
+        from sfttool.utils.atomic import atomic_write_text, publish, reported_save
+
         name = f"iter_{step}.pth"
         final = Path(runner.work_dir) / name
-        runner.save_checkpoint(runner.work_dir, name + ".tmp", meta=dict(epoch=runner.epoch, iter=step))
-        barrier()
-        if is_main_process():
-            os.replace(final.with_name(name + ".tmp"), final)
-            (Path(runner.work_dir) / "last_checkpoint").write_text(str(final))
+        with reported_save(final, final.with_name(name + ".tmp")):
+            runner.save_checkpoint(runner.work_dir, name + ".tmp", meta=dict(epoch=runner.epoch, iter=step))
+            barrier()
+            if is_main_process():
+                publish(final.with_name(name + ".tmp"), final)
+                atomic_write_text(Path(runner.work_dir) / "last_checkpoint", str(final))
         barrier()
         return final
 
