@@ -192,22 +192,30 @@ def fit_embeddings_to_adapter(model, tokenizer) -> None:
 
 
 def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,
-               max_shard_size: str | int = "2GB") -> None:
+               max_shard_size: str | int = "2GB", dtype=None) -> None:
     """Save a full HF model; ``safe_serialization=False`` writes ``pytorch_model.bin``
-    (transformers 5 only writes safetensors itself; some older readers want .bin)."""
+    (transformers 5 only writes safetensors itself; some older readers want .bin).
+    ``dtype``: save the floating-point weights in it (the model itself is not changed)."""
     import torch
 
     save_dir = Path(save_dir)
     model.config.use_cache = True  # training turns the KV cache off; inference wants it back
-    if safe_serialization:
-        model.save_pretrained(save_dir, max_shard_size=max_shard_size)
-        return
-    save_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(save_dir)
-    if model.can_generate():
-        model.generation_config.save_pretrained(save_dir)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    torch.save(state, save_dir / "pytorch_model.bin")
+    state = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
+             for k, v in model.state_dict().items()}
+    config_dtype = getattr(model.config, "dtype", None)
+    if dtype is not None:
+        model.config.dtype = dtype
+    try:
+        if safe_serialization:
+            model.save_pretrained(save_dir, max_shard_size=max_shard_size, state_dict=state)
+            return
+        save_dir.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(save_dir)
+        if model.can_generate():
+            model.generation_config.save_pretrained(save_dir)
+        torch.save({k: v.cpu().contiguous() for k, v in state.items()}, save_dir / "pytorch_model.bin")
+    finally:
+        model.config.dtype = config_dtype
 
 
 def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir: str | os.PathLike,
