@@ -5,11 +5,13 @@ the dependency is fixed. ``apply_all()`` is idempotent and cheap.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
 import warnings
+from typing import Iterator
 
 _APPLIED: set[str] = set()
 
@@ -264,27 +266,40 @@ def quiet_bnb_cpu_kernel_warning() -> None:
 # The terminal: quiet by default (the run's log file keeps everything).
 
 class _ConsoleFilter(logging.Filter):
-    """On mmengine loggers' terminal handlers: below WARNING only with ``--verbose``."""
+    """On mmengine loggers' terminal handlers: below WARNING only with ``--verbose`` or for ``inform``."""
     verbose = True
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.verbose or record.levelno >= logging.WARNING
+        return self.verbose or record.levelno >= logging.WARNING or getattr(record, "console", False)
 
 
 _CONSOLE = _ConsoleFilter()
 
 
-def quiet_console(verbose: bool) -> None:
+@contextlib.contextmanager
+def quiet_console(verbose: bool) -> Iterator[None]:
     """mmengine 0.10.x logs the whole config, the environment and a ~90-line hook table to the
-    terminal at INFO, with no setting to send them to the log file only. Filter the terminal
-    handler of every MMLogger created from now on: warnings and errors always show, INFO only
-    with ``verbose``; the log file in the work dir is untouched."""
+    terminal at INFO, with no setting to send them to the log file only. While the block runs,
+    the terminal handler of every MMLogger created from now on shows warnings and errors, and INFO
+    only with ``verbose`` (or for ``inform``); the log file in the work dir keeps everything."""
+    before = _CONSOLE.verbose
     _CONSOLE.verbose = verbose
     _patch_mmlogger()
+    try:
+        yield
+    finally:
+        _CONSOLE.verbose = before
 
 
 def console_is_verbose() -> bool:
     return _CONSOLE.verbose
+
+
+def inform(message: str) -> None:
+    """An INFO line the quiet terminal shows too (e.g. where a resumed run continues)."""
+    from mmengine.logging import MMLogger
+
+    MMLogger.get_current_instance().info(message, extra={"console": True})
 
 
 class _DropMessages(logging.Filter):

@@ -141,6 +141,7 @@ def hooks(cfg: Any, plan: RunPlan, iterations: int) -> tuple[dict, list]:
     default = dict(cfg.get("default_hooks") or {})
     default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), plan)
     interval = _cap_logger_interval(default, iterations)
+    default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
     every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom)
     if plan.dry_run or plan.max_steps:
@@ -163,7 +164,9 @@ def _checkpoint_hook(node: Any, plan: RunPlan) -> Any:
 def _cap_logger_interval(default: dict, iterations: int) -> int:
     """A log interval longer than the run logs nothing (a run of 8 iterations with interval 10
     printed no loss and wrote no scalars): cap it at the run's length. Returns the interval."""
-    logger = default.get("logger")
+    if "logger" not in default:  # mmengine would add its LoggerHook with interval 10
+        default["logger"] = dict(type="LoggerHook")
+    logger = default["logger"]
     if isinstance(logger, dict):
         interval = min(int(logger.get("interval", 10)), max(iterations, 1))
         default["logger"] = dict(logger, interval=interval)
@@ -180,11 +183,21 @@ def _preemption_hook(custom: list) -> list:
 
 
 def _build_hook(hook: Any, key: str) -> Any:
+    """Through sfttool's ``build`` (errors name the config key), except a bare name of mmengine's
+    hook registry, which only mmengine resolves."""
     if isinstance(hook, dict) and isinstance(hook.get("type"), str) and "." not in hook["type"]:
         try:
             resolve_type(hook["type"], key)
         except Exception:
             return hook  # a name in mmengine's own hook registry: mmengine builds it
+    if isinstance(hook, dict) and "priority" in hook:  # mmengine's key for the runner, not the hook's argument
+        from mmengine.runner import get_priority
+
+        hook = dict(hook)
+        priority = hook.pop("priority")
+        built = build(hook, key)
+        built.priority = get_priority(priority)
+        return built
     return build(hook, key)
 
 
@@ -219,7 +232,7 @@ _runs_in_this_process = itertools.count(1)
 def experiment_name(cfg: Any) -> str:
     """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a process.
 
-    mmengine names a run's message hub and logger ``<name>_<timestamp to the second>`` and hands back an
+    mmengine 0.10.x names a run's message hub and logger ``<name>_<timestamp to the second>`` and hands back an
     existing instance of that name, so a second run started in the same process within the same second
     (tests, notebooks) inherited the first run's checkpoint bookkeeping -- and deleted its own new
     checkpoints as "older than the last K" -- and logged into the first run's file. Every rank runs
@@ -232,8 +245,9 @@ def experiment_name(cfg: Any) -> str:
 @contextlib.contextmanager
 def setup_log(name: str) -> Iterator[list]:
     """A fresh current logger for what happens before the runner exists (the dataset's counts, model
-    loading): printed as usual, and kept so the run's log file gets it too. Without it, a second run in
-    the same process logged its set-up into the first run's file."""
+    loading): printed as usual, and kept so the run's log file gets it too. Without it (mmengine 0.10.x:
+    ``print_log(logger="current")`` writes to the newest MMLogger, and the run's own exists only once
+    the runner is built), a second run in the same process logged its set-up into the first run's file."""
     from mmengine.logging import MMLogger
 
     records: list = []

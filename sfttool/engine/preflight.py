@@ -41,12 +41,15 @@ def check_config(cfg: Any) -> None:
 
 
 def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
-    """trust_remote_code is off unless the config or --trust-remote-code asks; warn when on."""
+    """trust_remote_code is off unless the config or --trust-remote-code asks; warn when on
+    (on stderr, before any logger exists: a refused work dir still shows it first)."""
+    import warnings
+
     from sfttool.engine.safety import apply_trust_remote_code, remote_code_warning
 
     allowed = apply_trust_remote_code(cfg, trust_remote_code)
     if allowed:
-        warn(remote_code_warning(allowed))
+        warnings.warn(remote_code_warning(allowed), stacklevel=2)
 
 
 def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,

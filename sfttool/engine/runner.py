@@ -222,9 +222,10 @@ class TrainLoop(IterBasedTrainLoop):
             forget_timings(self.runner)
         if self._iter > 0:
             # The batches the skip took from the current pass (a stream's pass may be shorter than the length).
-            print_log(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
-                      f"batch {self.dataloader_iterator.batches_into_epoch} of {self.iters_per_epoch})",
-                      logger="current", level=logging.INFO)
+            from sfttool import compat
+
+            compat.inform(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
+                          f"batch {self.dataloader_iterator.batches_into_epoch} of {self.iters_per_epoch})")
         while self._iter < self._max_iters and not self.stop_training:
             self.runner.model.train()
             self._epoch = self.dataloader_iterator.epoch

@@ -71,7 +71,9 @@ def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: 
         per_step = tokens / rows * batch * accum * world_size
         data += (f", {tokens:,} tokens; about {per_step:,.0f} tokens per optimizer step "
                  f"(batch {batch} x {accum} accumulation x {processes})")
-    steps = f"{iterations:,} iterations = {-(-iterations // accum):,} optimizer steps = {iterations / per_epoch:g} epochs"
+    epochs = iterations / per_epoch
+    steps = (f"{iterations:,} iterations = {-(-iterations // accum):,} optimizer steps = {epochs:g} "
+             f"epoch{'' if epochs == 1 else 's'}")
     if iterations < full:
         steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if plan.dry_run else " (--max-steps)")
     outputs = (f"Dry run: nothing is saved (checked {plan.work_dir})" if plan.dry_run else

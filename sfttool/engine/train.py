@@ -40,8 +40,27 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
     check everything, process the data, run one iteration, keep nothing but the dataset cache.
     ``verbose``: the full config and hook table on the terminal too. ``strict``: a template that
     does not match the tokenizer is an error."""
-    compat.quiet_console(verbose)
     compat.quiet_library_noise()
+    with compat.quiet_console(verbose):
+        cfg, plan = prepare(config, work_dir, deepspeed, resume, seed, cfg_options, trust_remote_code)
+        plan.max_steps, plan.dry_run = max_steps, dry_run
+        from sfttool.engine.hooks.preemption_hook import TrainingPreempted
+
+        with one_process_rank_env(deepspeed is not None):
+            plan.launcher = init_distributed(cfg, deepspeed is not None)
+            try:
+                run(cfg, plan, strict)
+            except TrainingPreempted:  # every rank stopped at the same step, so they can still leave together
+                close_process_group(plan.launcher)
+                raise
+            close_process_group(plan.launcher)
+    return plan.work_dir
+
+
+def prepare(config: str, work_dir: str | None, deepspeed: str | None, resume: str | None, seed: int | None,
+            cfg_options: list[str] | dict | None, trust_remote_code: bool) -> tuple[Any, RunPlan]:
+    """The config, checked, and what the command line decided: everything that can fail before
+    anything is built fails here, in seconds."""
     preflight.announce_config(config)
     cfg = load_config(config, cfg_options)
     preflight.check_config(cfg)
@@ -55,19 +74,8 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
         preflight.warn(misaligned)
     if seed is not None:
         preflight.apply_seed(cfg, seed)
-    plan = RunPlan(work_dir=work_dir, seed=preflight.run_seed(cfg, seed), deepspeed=deepspeed,
-                   resume_from=resume_from, max_steps=max_steps, dry_run=dry_run)
-    from sfttool.engine.hooks.preemption_hook import TrainingPreempted
-
-    with one_process_rank_env(deepspeed is not None):
-        plan.launcher = init_distributed(cfg, deepspeed is not None)
-        try:
-            run(cfg, plan, strict)
-        except TrainingPreempted:  # every rank stopped at the same step, so they can still leave together
-            close_process_group(plan.launcher)
-            raise
-        close_process_group(plan.launcher)
-    return work_dir
+    return cfg, RunPlan(work_dir=work_dir, seed=preflight.run_seed(cfg, seed), deepspeed=deepspeed,
+                        resume_from=resume_from)
 
 
 def run(cfg: Any, plan: RunPlan, strict: bool = False) -> None:

@@ -203,17 +203,17 @@ def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = Tr
     state = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
              for k, v in model.state_dict().items()}
     config_dtype = getattr(model.config, "dtype", None)
-    if dtype is not None:
-        model.config.dtype = dtype
     try:
         if safe_serialization:
             model.save_pretrained(save_dir, max_shard_size=max_shard_size, state_dict=state)
-            return
-        save_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            if model.can_generate():
+                model.generation_config.save_pretrained(save_dir)
+            torch.save({k: v.cpu().contiguous() for k, v in state.items()}, save_dir / "pytorch_model.bin")
+        if dtype is not None:  # save_pretrained writes the dtype of the model's weights, not of the saved ones
+            model.config.dtype = dtype
         model.config.save_pretrained(save_dir)
-        if model.can_generate():
-            model.generation_config.save_pretrained(save_dir)
-        torch.save({k: v.cpu().contiguous() for k, v in state.items()}, save_dir / "pytorch_model.bin")
     finally:
         model.config.dtype = config_dtype
 

@@ -305,7 +305,7 @@ def test_dry_run_runs_one_iteration_and_leaves_the_work_dir_empty(tmp_path, tiny
     assert result.exit_code == 0, result.output
     assert [line.split(" | ")[0] for line in result.output.splitlines() if _progress(line)] == ["iter 1/1 100%"]
     assert "Hooks will be executed in the following order" in result.output  # --verbose
-    assert result.output.endswith("Dry run finished: the config, data and one training step work\n")
+    assert result.output.rstrip().endswith("Dry run finished: the config, data and one training step work")
     assert list(work.rglob("*")) == []
     again = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--max-steps", "1"])
     assert again.exit_code == 0, again.output  # nothing left behind to refuse
