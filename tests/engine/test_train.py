@@ -151,3 +151,20 @@ def test_token_ids_beyond_the_embedding_table_are_refused_before_training(tiny_l
     with pytest.raises(ConfigError, match=rf"^the data holds token id {rows + 2} but the model's embedding table "
                                           rf"has {rows} rows: .*set model=dict\(\.\.\., tokenizer=tokenizer\)"):
         check_vocabulary(Dataset.from_dict({"input_ids": [[1, 2], [rows + 2, 3]]}), model)
+
+
+def test_the_template_check_is_a_warning_naming_the_first_difference(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    """The check `check-custom-dataset` runs, before any data is processed: llama3_chat on a ChatML tokenizer."""
+    from sfttool.config import load_config
+    from sfttool.engine.preflight import check_template, template_problems
+
+    cfg = load_config(str(write_config(tmp_path / "llama3.py", tiny_qwen2_dir, tiny_sft_jsonl,
+                                       template="llama3_chat")))
+    problems = template_problems(cfg)
+    assert problems[0].startswith("the configured template renders differently from the tokenizer's chat_template "
+                                  "(first difference at character ")
+    assert "template:      '" in problems[0] and "<|start_header_id|>" in problems[0]
+    assert "chat_template: '" in problems[0] and "<|im_start|>" in problems[0]
+    check_template(cfg, strict=False)  # a warning only
+    same = load_config(str(write_config(tmp_path / "qwen.py", tiny_qwen2_dir, tiny_sft_jsonl)))
+    assert template_problems(same) == []
