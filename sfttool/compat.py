@@ -5,9 +5,13 @@ the dependency is fixed. ``apply_all()`` is idempotent and cheap.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
+import warnings
+from typing import Iterator
 
 _APPLIED: set[str] = set()
 
@@ -164,36 +168,38 @@ def cpu_ddp_wrapper_cfg(model_wrapper_cfg: dict | None, find_unused_parameters: 
                 find_unused_parameters=find_unused_parameters)
 
 
+def _warn(message: str) -> None:
+    """One warning line through the current mmengine logger (terminal and the run's log file)."""
+    from mmengine.logging import print_log
+
+    print_log(message, logger="current", level=logging.WARNING)
+
+
 def cpu_optim_wrapper_type(optim_wrapper_cfg: dict) -> dict:
     """mmengine 0.10.x: ``AmpOptimWrapper`` raises on a machine without CUDA.
     XTuner configs use it everywhere; on CPU fall back to the plain
     ``OptimWrapper`` (dropping AMP-only keys) with a warning."""
-    import warnings
-
     import torch
 
     type_ = optim_wrapper_cfg.get("type")
     name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
     if torch.cuda.is_available() or not name.endswith("AmpOptimWrapper"):
         return optim_wrapper_cfg
-    warnings.warn("AmpOptimWrapper needs a GPU; training in float32 with OptimWrapper on this CPU machine",
-                  stacklevel=2)
+    _warn("AmpOptimWrapper needs a GPU; training in float32 with OptimWrapper on this CPU machine")
     cfg = {k: v for k, v in optim_wrapper_cfg.items() if k not in ("loss_scale", "dtype", "use_fsdp")}
     cfg["type"] = "OptimWrapper"
     return cfg
 
 
-def cpu_dist_backend(backend: str | None) -> str:
+def cpu_dist_backend(backend: str | None, warn: bool = True) -> str:
     """``nccl`` needs GPUs: on a CPU-only machine use ``gloo`` (with a warning
-    when the config asked for nccl)."""
-    import warnings
-
+    when the config asked for nccl and ``warn``)."""
     import torch
 
     if torch.cuda.is_available():
         return backend or "nccl"
-    if backend not in (None, "gloo"):
-        warnings.warn(f"dist backend {backend!r} needs GPUs; using 'gloo' on this CPU machine", stacklevel=2)
+    if backend not in (None, "gloo") and warn:
+        _warn(f"dist backend {backend!r} needs GPUs; using 'gloo' on this CPU machine")
     return "gloo"
 
 
@@ -254,6 +260,104 @@ def quiet_bnb_cpu_kernel_warning() -> None:
     if _once("bnb_cpu_kernel_warning"):
         import logging
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------------
+# The terminal: quiet by default (the run's log file keeps everything).
+
+class _ConsoleFilter(logging.Filter):
+    """On mmengine loggers' terminal handlers: below WARNING only with ``--verbose`` or for ``inform``."""
+    verbose = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.verbose or record.levelno >= logging.WARNING or getattr(record, "console", False)
+
+
+_CONSOLE = _ConsoleFilter()
+
+
+@contextlib.contextmanager
+def quiet_console(verbose: bool) -> Iterator[None]:
+    """mmengine 0.10.x logs the whole config, the environment and a ~90-line hook table to the
+    terminal at INFO, with no setting to send them to the log file only. While the block runs,
+    the terminal handler of every MMLogger created from now on shows warnings and errors, and INFO
+    only with ``verbose`` (or for ``inform``); the log file in the work dir keeps everything."""
+    before = _CONSOLE.verbose
+    _CONSOLE.verbose = verbose
+    _patch_mmlogger()
+    try:
+        yield
+    finally:
+        _CONSOLE.verbose = before
+
+
+def console_is_verbose() -> bool:
+    return _CONSOLE.verbose
+
+
+def inform(message: str) -> None:
+    """An INFO line the quiet terminal shows too (e.g. where a resumed run continues)."""
+    from mmengine.logging import MMLogger
+
+    MMLogger.get_current_instance().info(message, extra={"console": True})
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+# mmengine 0.10's own WARNING lines that a user cannot act on: the visualizer wants a `metainfo` our
+# datasets do not have, and its checkpoint code builds the FileClient it deprecated itself.
+MMENGINE_NOISE = ("Dataset Dataset has no metainfo", '"FileClient" will be deprecated',
+                  '"HardDiskBackend" is the alias of "LocalBackend"')
+
+
+_MMENGINE_NOISE = _DropMessages(*MMENGINE_NOISE)
+
+
+def quiet_library_noise() -> None:
+    """Messages of dependencies that are wrong or useless for a training run, each silenced
+    narrowly at its source:
+
+    - deepspeed 0.17-0.20 on a machine without a GPU warns "Setting accelerator to CPU. If
+      you have GPU ..." at import (mmengine's runner imports it even when DeepSpeed is unused);
+    - mmengine 0.10 (its own copy of torch's check) warns "Detected call of `scheduler.step()`
+      before `optimizer.step()`" when the first iteration falls inside a gradient-accumulation
+      window: it steps iteration-based schedules every iteration by design, so the order is intended;
+    - mmengine 0.10 logs ``MMENGINE_NOISE`` on every run (filtered on each MMLogger it creates);
+    - peft 0.17-0.29 reads ``is_gradient_checkpointing``, which transformers 5 deprecated
+      (a FutureWarning on every LoRA model built)."""
+    if not _once("library_noise"):
+        return
+    logging.getLogger("DeepSpeed").addFilter(_DropMessages("Setting accelerator to CPU."))
+    warnings.filterwarnings("ignore", message=r"Detected call of `(lr_)?scheduler\.step\(\)` before "
+                                              r"`optimizer\.step\(\)`", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    _patch_mmlogger()
+
+
+def _patch_mmlogger() -> None:
+    """Every MMLogger created from now on: the terminal filter of ``quiet_console`` and the
+    ``MMENGINE_NOISE`` filter."""
+    if not _once("mmlogger_filters"):
+        return
+    from mmengine.logging import MMLogger
+
+    original = MMLogger.__init__
+
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        self.addFilter(_MMENGINE_NOISE)
+        for handler in self.handlers:
+            if type(handler) is logging.StreamHandler:  # the terminal; a FileHandler is a subclass
+                handler.addFilter(_CONSOLE)
+
+    MMLogger.__init__ = __init__
 
 
 def apply_all() -> None:

@@ -9,13 +9,13 @@ from sfttool.cli.errors import user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
-def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list[str]:
+def _worker_args(config, cfg_options, values: dict, flags: dict) -> list[str]:
     """The same command for each torchrun worker (without --nproc-per-node)."""
     args = [config]
-    for flag, value in (("--work-dir", work_dir), ("--deepspeed", deepspeed), ("--resume", resume),
-                        ("--seed", seed)):
+    for name, value in values.items():
         if value is not None:
-            args += [flag, str(value)]
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    args += [f"--{name.replace('_', '-')}" for name, on in flags.items() if on]
     for option in cfg_options:
         args += ["--cfg-options", option]
     return args
@@ -35,8 +35,19 @@ def _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options) -> list
 @click.option("--trust-remote-code", is_flag=True, default=False,
               help="Allow model repositories' own Python code to run (sets trust_remote_code=True on every "
                    "from_pretrained in the config). Off unless given here or in the config.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Stop after N optimizer steps and save a checkpoint (the learning-rate schedule stays the "
+                   "full run's, so --resume continues it).")
+@click.option("--dry-run", is_flag=True, default=False,
+              help="Build and check everything, process the data, run one iteration; save nothing in the "
+                   "work dir.")
+@click.option("--verbose", is_flag=True, default=False,
+              help="Show the full config, environment and hook table on the terminal (always in the log file).")
+@click.option("--strict", is_flag=True, default=False,
+              help="Make a template that renders differently from the tokenizer's chat_template an error.")
 @user_errors
-def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code) -> None:
+def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code, max_steps,
+          dry_run, verbose, strict) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""
     from sfttool.config import ConfigError, load_config
     from sfttool.engine import launch
@@ -46,13 +57,16 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if launch.needs_launch(plan):
-        from sfttool.engine.train import check_config, check_run
+        from sfttool.engine.preflight import check_config, check_run
 
         cfg = load_config(config, list(cfg_options))
         check_config(cfg)
         check_run(cfg, work_dir, deepspeed, resume, world_size=plan.world_size)
-        worker_args = _worker_args(config, work_dir, deepspeed, resume, seed, cfg_options)
-        code = launch.launch(plan, worker_args + (["--trust-remote-code"] if trust_remote_code else []))
+        worker_args = _worker_args(config, cfg_options, dict(work_dir=work_dir, deepspeed=deepspeed, resume=resume,
+                                                             seed=seed, max_steps=max_steps),
+                                   dict(trust_remote_code=trust_remote_code, dry_run=dry_run, verbose=verbose,
+                                        strict=strict))
+        code = launch.launch(plan, worker_args)
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary
             click.echo(f"Stopped by a signal (exit {code}); resume with the same command plus --resume", err=True)
             raise SystemExit(code)
@@ -64,6 +78,8 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
 
     with report_rank_failure():  # in a multi-process run the log names the failing rank
         out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
-                           cfg_options=list(cfg_options), trust_remote_code=trust_remote_code)
+                           cfg_options=list(cfg_options), trust_remote_code=trust_remote_code, max_steps=max_steps,
+                           dry_run=dry_run, verbose=verbose, strict=strict)
     if os.environ.get("RANK", "0") == "0":
-        click.echo(f"Training finished; outputs in {out}")
+        click.echo("Dry run finished: the config, data and one training step work" if dry_run else
+                   f"Training finished; outputs in {out}")

@@ -22,14 +22,13 @@ import logging
 import os
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
-from sfttool.utils.atomic import before_rename, reported_save
+from sfttool.utils.atomic import atomic_write_text, discard, publish, reported_save
 from sfttool.registry import BUILDER
 from sfttool.errors import SfttoolError
 
@@ -74,19 +73,6 @@ def _last_checkpoint(work_dir: Path) -> Path | None:
     return None
 
 
-def _replace(src: str, dst: str) -> None:
-    if os.path.isdir(dst):
-        shutil.rmtree(dst)
-    os.replace(src, dst)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
 @BUILDER.register_module()
 class AtomicCheckpointHook(CheckpointHook):
     """Drop-in for mmengine's ``CheckpointHook`` (same arguments), by iteration."""
@@ -95,7 +81,7 @@ class AtomicCheckpointHook(CheckpointHook):
         name = self.filename_tmpl.format(step)
         final = os.path.join(self.out_dir, name)
         if is_main_process():
-            _remove(final + ".tmp")
+            discard(final + ".tmp")
         barrier()
         kept, dropped = self._keep_ids(step)
         # The message hub goes into the checkpoint: record the new list first.
@@ -111,15 +97,11 @@ class AtomicCheckpointHook(CheckpointHook):
             self.last_ckpt = final
             runner.message_hub.update_info("last_ckpt", final)
             if is_main_process():
-                before_rename(final + ".tmp", final)  # fsync; the kill -9 test pauses here
-                _replace(final + ".tmp", final)
-                pointer = os.path.join(runner.work_dir, "last_checkpoint")
-                with open(pointer + ".tmp", "w") as f:
-                    f.write(final)
-                os.replace(pointer + ".tmp", pointer)
+                publish(final + ".tmp", final)  # fsync, rename; the kill -9 test pauses before the rename
+                atomic_write_text(os.path.join(runner.work_dir, "last_checkpoint"), final)
         if is_main_process():
             for old in dropped:  # only now that the new checkpoint is complete
-                _remove(os.path.join(self.out_dir, self.filename_tmpl.format(old)))
+                discard(os.path.join(self.out_dir, self.filename_tmpl.format(old)))
         barrier()
 
     def _keep_ids(self, step: int) -> tuple[list, list]:

@@ -16,6 +16,7 @@ so is an ``"auto"`` anywhere else (except the few DeepSpeed resolves itself).
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 from pathlib import Path
@@ -49,8 +50,11 @@ def find_preset(name_or_path: str) -> Path:
     preset = deepspeed_preset_dir() / f"{stem}.json"
     if preset.is_file():
         return preset
-    raise ConfigError(f"--deepspeed {name_or_path}: no such file and no such preset; "
-                      f"presets: {', '.join(list_deepspeed_presets())} (or a path to a DeepSpeed JSON file)")
+    presets = list_deepspeed_presets()
+    close = difflib.get_close_matches(stem, presets, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"--deepspeed {name_or_path}: no such file and no such preset; {hint}"
+                      f"presets: {', '.join(presets)} (or a path to a DeepSpeed JSON file)")
 
 
 def _is_auto(value: Any) -> bool:

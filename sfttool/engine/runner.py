@@ -167,6 +167,22 @@ def close_short_deepspeed_window(model: Any, it: int) -> None:
         engine.set_gradient_accumulation_boundary(True)
 
 
+def forget_timings(runner: Any) -> None:
+    """After a resume, time only this run's iterations. The checkpoint's message hub brings back the
+    iteration times from before the interruption, and the logged ``time`` averaged them in (132.9 s
+    shown for a 36 s iteration); the iteration clock started before the data skip, which is no
+    iteration's time either."""
+    import time
+
+    from mmengine.hooks import IterTimerHook
+
+    for key in ("train/time", "train/data_time"):
+        runner.message_hub.log_scalars.pop(key, None)
+    for hook in runner.hooks:
+        if isinstance(hook, IterTimerHook):
+            hook.t = time.time()
+
+
 @BUILDER.register_module()
 class TrainLoop(IterBasedTrainLoop):
     """XTuner-compatible train loop: give ``max_epochs`` or ``max_iters``.
@@ -203,11 +219,13 @@ class TrainLoop(IterBasedTrainLoop):
         # exactly what it drew in the uninterrupted run.
         if self._iter > 0:
             restore_rng_state(self.runner)
+            forget_timings(self.runner)
         if self._iter > 0:
             # The batches the skip took from the current pass (a stream's pass may be shorter than the length).
-            print_log(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
-                      f"batch {self.dataloader_iterator.batches_into_epoch} of {self.iters_per_epoch})",
-                      logger="current", level=logging.INFO)
+            from sfttool import compat
+
+            compat.inform(f"Resuming at iteration {self._iter} (epoch {self.dataloader_iterator.epoch}, "
+                          f"batch {self.dataloader_iterator.batches_into_epoch} of {self.iters_per_epoch})")
         while self._iter < self._max_iters and not self.stop_training:
             self.runner.model.train()
             self._epoch = self.dataloader_iterator.epoch

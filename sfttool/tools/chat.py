@@ -3,7 +3,8 @@
 Every prompt goes through :func:`sfttool.dataset.encode.encode_prompt`, so
 the ids the model continues from are the ids training produced for the same
 turns; generation stops at the template's STOP_WORDS (plus the user's and
-the tokenizer's end tokens) and the history keeps each answer without them,
+the tokenizer's end tokens: ``sfttool.utils.stop_words``, shared with the
+training's sample generations) and the history keeps each answer without them,
 exactly as a training row would hold it.
 
     >>> session = ChatSession(model, tokenizer, get_template('qwen_chat'))
@@ -21,6 +22,7 @@ from typing import Any, Iterable, Mapping, TextIO
 from sfttool.errors import SfttoolError
 from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
                                  training_output_problem)
+from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
 
 class ChatError(SfttoolError):
@@ -169,31 +171,6 @@ def resolve_system(system: str | None = None, system_template: str | None = None
                             f"{', '.join(sorted(SYSTEM_TEMPLATE))}")
         return SYSTEM_TEMPLATE[system_template]
     return system or ""
-
-
-def stop_words_for(template: Mapping, tokenizer, model=None, extra: Iterable[str] = ()) -> list[str]:
-    """The template's STOP_WORDS, the user's, and the texts of the tokenizer's
-    and generation config's end tokens, without duplicates, in that order."""
-    words = list(template.get("STOP_WORDS") or []) + list(extra)
-    end_ids = [tokenizer.eos_token_id]
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    end_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-    words += [tokenizer.convert_ids_to_tokens(i) for i in end_ids if i is not None]
-    return list(dict.fromkeys(w for w in words if w))
-
-
-def cut_at_stop_words(text: str, stop_words: Iterable[str]) -> str:
-    """Text before the first stop word.
-
-    >>> cut_at_stop_words('Hello!<|im_end|>\\n<|im_start|>', ['<|im_end|>'])
-    'Hello!'
-    """
-    cut = len(text)
-    for word in stop_words:
-        pos = text.find(word)
-        if pos >= 0:
-            cut = min(cut, pos)
-    return text[:cut]
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@ A checkpoint is either an mmengine ``.pth`` file (weights under
 the adapter for LoRA runs) or a DeepSpeed checkpoint folder (ZeRO-1/2/3),
 whose partitioned fp32 weights are gathered with DeepSpeed's own
 ``zero_to_fp32``. The model is rebuilt from the config, the weights loaded
-into it, and saved with ``save_pretrained``.
+into it, and saved as the end of training saves it
+(``sfttool.engine.export.write_hf_folder``).
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import copy
 import os
 from pathlib import Path
 
-from sfttool.tools.merge import SAVED_CONFIG_NAME, dumped_config, output_folder, save_model
+from sfttool.engine.export import write_hf_folder
 from sfttool.errors import SfttoolError
+from sfttool.tools.merge import dumped_config
 
 
 class ConvertError(SfttoolError):
@@ -122,36 +124,14 @@ def _shape(value) -> list | str:
     return list(value.shape) if hasattr(value, "shape") else type(value).__name__
 
 
-def is_peft(llm) -> bool:
-    from peft import PeftModel
-
-    return isinstance(llm, PeftModel)
-
-
-def save_hf(model, tokenizer, save_dir: Path, safe_serialization: bool, max_shard_size: str | int) -> None:
-    """LoRA -> peft adapter folder; full -> model folder. The tokenizer goes
-    beside either, so chat and merge find the one used in training."""
-    llm = model.llm
-    if is_peft(llm):
-        llm.save_pretrained(str(save_dir), safe_serialization=safe_serialization)
-    else:
-        save_model(llm, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(save_dir)
-
-
 def pth_to_hf(cfg, ckpt: str | os.PathLike, save_dir: str | os.PathLike, safe_serialization: bool = True,
               max_shard_size: str | int = "2GB") -> Path:
     """Convert ``ckpt`` trained with config ``cfg`` (a loaded config) into ``save_dir``."""
-    from sfttool.registry import build, build_if_config
+    from sfttool.engine.export import config_tokenizer
+    from sfttool.registry import build
 
     save_dir = Path(save_dir)
     state = load_checkpoint_state_dict(ckpt)  # read first: a bad path fails before the model loads
     model = build(conversion_model_cfg(cfg.model), "model")
     load_weights(model, state, ckpt)
-    tokenizer_cfg = cfg.get("tokenizer") or cfg.model.get("tokenizer")
-    tokenizer = build_if_config(tokenizer_cfg, "tokenizer") if tokenizer_cfg is not None else None
-    with output_folder(save_dir, ConvertError) as tmp:
-        save_hf(model, tokenizer, tmp, safe_serialization, max_shard_size)
-        cfg.dump(str(tmp / SAVED_CONFIG_NAME))
-    return save_dir
+    return write_hf_folder(model, config_tokenizer(cfg), cfg, save_dir, ConvertError, safe_serialization, max_shard_size)

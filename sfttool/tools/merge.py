@@ -192,22 +192,30 @@ def fit_embeddings_to_adapter(model, tokenizer) -> None:
 
 
 def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,
-               max_shard_size: str | int = "2GB") -> None:
+               max_shard_size: str | int = "2GB", dtype=None) -> None:
     """Save a full HF model; ``safe_serialization=False`` writes ``pytorch_model.bin``
-    (transformers 5 only writes safetensors itself; some older readers want .bin)."""
+    (transformers 5 only writes safetensors itself; some older readers want .bin).
+    ``dtype``: save the floating-point weights in it (the model itself is not changed)."""
     import torch
 
     save_dir = Path(save_dir)
     model.config.use_cache = True  # training turns the KV cache off; inference wants it back
-    if safe_serialization:
-        model.save_pretrained(save_dir, max_shard_size=max_shard_size)
-        return
-    save_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(save_dir)
-    if model.can_generate():
-        model.generation_config.save_pretrained(save_dir)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    torch.save(state, save_dir / "pytorch_model.bin")
+    state = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
+             for k, v in model.state_dict().items()}
+    config_dtype = getattr(model.config, "dtype", None)
+    try:
+        if safe_serialization:
+            model.save_pretrained(save_dir, max_shard_size=max_shard_size, state_dict=state)
+        else:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            if model.can_generate():
+                model.generation_config.save_pretrained(save_dir)
+            torch.save({k: v.cpu().contiguous() for k, v in state.items()}, save_dir / "pytorch_model.bin")
+        if dtype is not None:  # save_pretrained writes the dtype of the model's weights, not of the saved ones
+            model.config.dtype = dtype
+        model.config.save_pretrained(save_dir)
+    finally:
+        model.config.dtype = config_dtype
 
 
 def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir: str | os.PathLike,
@@ -233,33 +241,10 @@ def _is_weights_file(name: str) -> bool:
     return name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
 
 
-@contextlib.contextmanager
-def output_folder(save_dir: Path, error: type[Exception] = MergeError) -> Iterator[Path]:
-    """A hidden folder to write into, next to ``save_dir`` (inside it when it
-    already exists); when the block succeeds its files move into ``save_dir``
-    (other files already there are kept, except weight files of an earlier save
-    that the new one does not overwrite), and on any failure it is removed,
-    so a failed save never leaves a half-written model behind. An OS error
-    (disk full, no permission) becomes one line of ``error``."""
-    from sfttool.utils.atomic import TMP_MARK, _os_error_text, before_rename, partial_output_name
+def output_folder(save_dir: Path, error: type[Exception] = MergeError):
+    """Write an HF folder atomically (``sfttool.utils.atomic.atomic_folder``): other files
+    already in ``save_dir`` are kept, except weight files of an earlier save that the new
+    one does not overwrite (a stale shard or index next to new weights would load as a mix)."""
+    from sfttool.utils.atomic import atomic_folder
 
-    existing = save_dir.is_dir()
-    tmp = save_dir / f".partial{TMP_MARK}{os.getpid()}" if existing else partial_output_name(save_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        yield tmp
-        before_rename(tmp, save_dir)
-        if existing:
-            new = {item.name for item in tmp.iterdir()}
-            for old in save_dir.iterdir():  # weights of an earlier save that this one does not replace
-                if old.is_file() and old.name not in new and _is_weights_file(old.name):
-                    old.unlink()  # (a stale shard or index next to new weights would load as a mix)
-            for item in tmp.iterdir():
-                os.replace(item, save_dir / item.name)
-        else:
-            os.replace(tmp, save_dir)
-    except OSError as exc:
-        raise error(f"could not save {save_dir}: {_os_error_text(exc)}; the partial output was removed") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return atomic_folder(save_dir, error, stale=_is_weights_file)

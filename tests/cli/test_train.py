@@ -1,6 +1,7 @@
 """`sfttool train` from the command line: in-process for one process, torchrun for more."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_seed_flag_reaches_every_seed_the_config_copied():
     """--seed changes the data order too (the dataset's shuffle before packing and the sampler), not only
     randomness.seed: the same keys --cfg-options seed=... would be redirected to."""
     from sfttool.config import load_config
-    from sfttool.engine.train import apply_seed
+    from sfttool.engine.preflight import apply_seed
     cfg = load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3")
     assert (cfg.randomness.seed, cfg.train_dataloader.dataset.seed, cfg.train_dataloader.sampler.seed) == (42, 42, 42)
     apply_seed(cfg, 7)
@@ -76,7 +77,7 @@ def test_seed_flag_reaches_every_seed_the_config_copied():
 
 def test_checkpoints_inside_an_accumulation_window_are_warned_about():
     from sfttool.config import load_config
-    from sfttool.engine.train import checkpoint_interval_warning
+    from sfttool.engine.preflight import checkpoint_interval_warning
     name = "qwen2_5_0_5b_instruct_lora_alpaca_e3"
     assert checkpoint_interval_warning(load_config(name)) is None  # the built-ins save on step boundaries
     message = checkpoint_interval_warning(load_config(name, ["default_hooks.checkpoint.interval=500"]))
@@ -86,7 +87,7 @@ def test_checkpoints_inside_an_accumulation_window_are_warned_about():
 
 def test_each_run_of_a_process_gets_its_own_experiment_name(tiny_cfg):
     from sfttool.config import load_config
-    from sfttool.engine.train import experiment_name
+    from sfttool.engine.assemble import experiment_name
     cfg = load_config(tiny_cfg)
     first, second = experiment_name(cfg), experiment_name(cfg)
     assert first != second and second.startswith("tiny_run")
@@ -185,6 +186,15 @@ def test_unknown_deepspeed_preset_is_a_one_line_error(tmp_path, tiny_cfg):
     assert "no such preset" in result.output and "zero2_offload" in result.output
 
 
+def test_a_misspelt_deepspeed_preset_names_the_close_match(tmp_path, tiny_cfg):
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(tmp_path / "w"),
+                                      "--deepspeed", "zeor2"])
+    assert result.exit_code == 1
+    assert result.output.endswith("\nError: --deepspeed zeor2: no such file and no such preset; did you mean "
+                                  "zero2? presets: zero1, zero2, zero2_offload, zero3, zero3_offload (or a path to "
+                                  "a DeepSpeed JSON file)\n")
+
+
 def test_a_deepspeed_json_that_does_not_fit_fails_before_launching_and_before_the_work_dir(tmp_path, tiny_cfg):
     """Checked by the launcher for the planned process count (once, not once per rank), and in a worker
     before the work dir is made."""
@@ -213,9 +223,10 @@ def test_worker_command_line(monkeypatch):
     plan = plan_from_env()
     assert (plan.nproc_per_node, plan.world_size) == (4, 8)
     assert plan_from_env(nproc_per_node=2).nproc_per_node == 2  # the flag wins over the environment
-    args = _worker_args("cfg.py", "wd", "zero2", "auto", 5, ("a=1",))
+    args = _worker_args("cfg.py", ("a=1",), dict(work_dir="wd", deepspeed="zero2", resume="auto", seed=5,
+                                                 max_steps=3), dict(dry_run=False, verbose=True, strict=True))
     assert args == ["cfg.py", "--work-dir", "wd", "--deepspeed", "zero2", "--resume", "auto", "--seed", "5",
-                    "--cfg-options", "a=1"]
+                    "--max-steps", "3", "--verbose", "--strict", "--cfg-options", "a=1"]
     cmd = torchrun_command(plan, args)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--master-addr=10.0.0.1" in cmd
@@ -255,3 +266,61 @@ def test_cfg_options_pairs_reach_the_config(tmp_path):
     cfg.write_text("model = dict(a=1, b=dict(c=2))\n")
     loaded = load_config(cfg, merge_cfg_options(("model.a=5",), ["model.b.c=[1,2]"]))
     assert loaded.model.a == 5 and loaded.model.b.c == [1, 2]
+
+
+def _progress(line: str) -> bool:
+    return line.startswith("iter ")
+
+
+@pytest.mark.slow
+def test_the_terminal_shows_the_summary_and_progress_and_the_log_file_the_rest(tmp_path, tiny_cfg):
+    """A run of 8 iterations with the logger's interval 10: progress from the first iteration, the
+    interval capped so the loss is logged, the config dump and hook table only in the log file, no
+    library noise, under 60 lines apart from progress."""
+    from engine_helpers import logged
+    work = tmp_path / "work"
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work),
+                                      "--cfg-options", "default_hooks.logger.interval=10"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split(" | ")[0] for line in lines if _progress(line)] == ["iter 1/8  12%", "iter 8/8 100%"]
+    assert len([line for line in lines if not _progress(line)]) < 60
+    summary = next(line for line in lines if line.startswith("[sfttool] Training "))
+    assert " with LoRA (r=8) in float32 on CPU: " in summary and " parameters trained (" in summary
+    assert "Data: 40 rows, " in summary and "(batch 1 x 2 accumulation x 1 process)" in summary
+    assert f"8 iterations = 4 optimizer steps = 0.2 epochs. Outputs in {work} " in summary
+    assert summary.endswith(f"the adapter goes to {work / 'hf_adapter'}.")
+    for noise in ("Config:", "Hooks will be executed", "GPU number", "backend", "FileClient", "has no metainfo",
+                  "Detected call of", "Setting accelerator to CPU", "is_gradient_checkpointing"):
+        assert noise not in result.output, noise
+    log = next(work.rglob("*.log")).read_text()
+    assert "Hooks will be executed in the following order" in log and summary[len("[sfttool] "):] in log
+    assert len(logged(work)) == 1  # interval 8: one loss line, at the last iteration
+
+
+@pytest.mark.slow
+def test_dry_run_runs_one_iteration_and_leaves_the_work_dir_empty(tmp_path, tiny_cfg):
+    work = tmp_path / "work"
+    result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--dry-run", "--verbose"])
+    assert result.exit_code == 0, result.output
+    assert [line.split(" | ")[0] for line in result.output.splitlines() if _progress(line)] == ["iter 1/1 100%"]
+    assert "Hooks will be executed in the following order" in result.output  # --verbose
+    assert result.output.rstrip().endswith("Dry run finished: the config, data and one training step work")
+    assert list(work.rglob("*")) == []
+    again = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--max-steps", "1"])
+    assert again.exit_code == 0, again.output  # nothing left behind to refuse
+    assert sorted(p.name for p in work.glob("iter_*")) == ["iter_2.pth"]
+
+
+def test_a_template_of_another_model_family_is_a_warning_and_with_strict_an_error(
+        tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    """train runs check-custom-dataset's template check before processing the data."""
+    cfg = write_config(tmp_path / "llama3.py", tiny_qwen2_dir, tiny_sft_jsonl, template="llama3_chat")
+    strict = CliRunner().invoke(cli, ["train", str(cfg), "--work-dir", str(tmp_path / "w"), "--strict"])
+    assert strict.exit_code == 1
+    error = strict.output.splitlines()[-1]
+    assert re.match(re.escape(f"Error: {cfg}: the configured template renders differently from the tokenizer's "
+                              "chat_template (first difference at character ") + r"\d+\); template: ", error)
+    assert error.endswith("(--strict; without it this is a warning)")
+    assert "<|start_header_id|>" in error and "<|im_start|>" in error  # the first differing texts
+    assert not list((tmp_path / "w").rglob("*.pth"))

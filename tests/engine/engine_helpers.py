@@ -26,7 +26,7 @@ from sfttool.utils import PROMPT_TEMPLATE
 
 model_dir = {model_dir!r}
 data_file = {data_file!r}
-prompt_template = PROMPT_TEMPLATE.qwen_chat
+prompt_template = PROMPT_TEMPLATE.{template}
 max_length = 128
 batch_size = {batch_size}
 accumulative_counts = {accumulative_counts}
@@ -39,7 +39,7 @@ model = dict(
     type=SupervisedFinetune,
     use_activation_checkpointing=False,
     llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=model_dir,
-             dtype='float32'{quant}),
+             dtype={dtype!r}{quant}),
     lora={lora})
 
 train_dataset = dict(
@@ -88,12 +88,12 @@ QUANT = (", quantization_config=dict(type='transformers.BitsAndBytesConfig', loa
 
 def write_config(path: Path, model_dir, data_file, *, batch_size=1, accumulative_counts=2, max_epochs=2,
                  lr=1e-3, lora=True, dropout=0.1, qlora=False, save_steps=8, keep=2,
-                 custom_hooks="[]") -> Path:
+                 custom_hooks="[]", dtype="float32", template="qwen_chat") -> Path:
     text = TINY_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), batch_size=batch_size,
                               accumulative_counts=accumulative_counts, max_epochs=max_epochs, lr=lr,
                               lora=LORA.format(dropout=dropout) if lora else "None",
                               quant=QUANT if qlora else "", save_steps=save_steps, keep=keep,
-                              custom_hooks=custom_hooks)
+                              custom_hooks=custom_hooks, dtype=dtype, template=template)
     path.write_text(text)
     return path
 
@@ -197,3 +197,24 @@ class ThroughputProbe(Hook):
 
         with open(os.path.join(runner.work_dir, "throughput_probe.json"), "w") as f:
             json.dump(self.record, f)
+
+
+class TimeProbe(Hook):
+    """Write ``work_dir/timed_iterations.txt``: how many iteration times the message hub averages
+    at the end of the run (the logged ``time``)."""
+
+    priority = "LOWEST"
+
+    def after_train(self, runner):
+        buffer = runner.message_hub.log_scalars["train/time"]
+        Path(runner.work_dir, "timed_iterations.txt").write_text(str(len(buffer.data[0])))
+
+
+class DtypeProbe(Hook):
+    """Write ``work_dir/trained_dtype.txt``: the dtype of the LLM's weights during training."""
+
+    def before_train(self, runner):
+        from sfttool.engine.runner import unwrap_model
+
+        param = next(unwrap_model(runner.model).llm.parameters())
+        Path(runner.work_dir, "trained_dtype.txt").write_text(str(param.dtype))

@@ -2,6 +2,7 @@
 stand-in runner, and in short training runs."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ import torch
 from engine_helpers import logged
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.hooks.dataset_info_hook import dataset_stats, trained_spans
-from sfttool.engine.hooks.evaluate_chat_hook import cut_at_stop_words
+from sfttool.utils.stop_words import cut_at_stop_words
 from sfttool.engine.hooks.throughput_hook import logical_numel, peak_tflops_of
 
 
@@ -139,6 +140,25 @@ def test_generation_kwargs_reach_generate(tmp_path, tiny_qwen2_dir, tiny_tokeniz
     assert (tmp_path / "eval_outputs" / "iter_0.jsonl").is_file()
 
 
+def test_sample_generations_stop_on_the_words_chat_stops_on(tmp_path, tiny_qwen2_dir, tiny_tokenizer, monkeypatch):
+    """The template's STOP_WORDS, the user's, the tokenizer's EOS and the model's generation-config end
+    tokens: the hook used to miss the last, and chat the hook's `stop_word`."""
+    from sfttool.tools.chat import ChatSession
+    from sfttool.utils import get_template
+
+    model = tiny_sft(tiny_qwen2_dir)
+    model.llm.generation_config.eos_token_id = [tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    hook = EvaluateChatHook(tiny_tokenizer, ["hi"], prompt_template="llama2_chat", stop_word="###",
+                            max_new_tokens=2)
+    monkeypatch.setattr(model.llm, "generate", lambda **kw: torch.cat(
+        [kw["input_ids"], torch.tensor([tiny_tokenizer.encode("ok<|im_start|>x")])], dim=1))
+    hook.before_train(fake_runner(model, tmp_path))
+    chat = ChatSession(model.llm, tiny_tokenizer, get_template("llama2_chat"), stop_words=["###"])
+    assert hook.stop_words == chat.stop_words == ["###", "<|im_end|>", "<|im_start|>"]
+    record = json.loads((tmp_path / "eval_outputs" / "iter_0.jsonl").read_text())
+    assert record["output"] == "ok"
+
+
 @pytest.mark.parametrize("max_iters, expected", [(8, [0, 4, 8]), (10, [0, 4, 8, 10])])
 def test_generates_once_per_iteration(tmp_path, tiny_tokenizer, monkeypatch, max_iters, expected):
     """When every_n_iters divides max_iters, the last iteration's generation is the final one."""
@@ -237,3 +257,81 @@ def test_zero3_counts_the_whole_model(tmp_path, tiny_config):
     _, plain = throughput_run(tiny_config, tmp_path)
     _, zero3 = throughput_run(tiny_config, tmp_path, deepspeed="zero3")
     assert zero3["params"] == plain["params"] > 0
+
+
+# -- ProgressHook -------------------------------------------------------------------
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _progress_run(tty: bool, max_iters: int, interval: int, stop_at: int | None = None) -> str:
+    from mmengine.logging import MessageHub
+
+    from sfttool.engine.hooks.progress_hook import ProgressHook
+
+    stream = _Stream(tty)
+    hook = ProgressHook(interval=interval, stream=stream)
+    hub = MessageHub.get_instance(f"progress_{tty}_{max_iters}_{interval}_{stop_at}")
+    stops = [SimpleNamespace(stop_at=stop_at)] if stop_at else []
+    runner = SimpleNamespace(iter=0, max_iters=max_iters, message_hub=hub, hooks=[hook, *stops])
+    hook.before_train(runner)
+    for runner.iter in range(min(max_iters, stop_at or max_iters)):
+        hook.before_train_iter(runner, runner.iter)
+        hub.update_scalar("train/loss", 2.0 - runner.iter / 10)
+        hub.update_scalar("train/lr", 1e-4)
+        hook.after_train_iter(runner, runner.iter, {"data": {"input_ids": torch.zeros(1, 16)}})
+    runner.iter += 1  # as the loop leaves it
+    hook.after_train(runner)
+    return stream.getvalue()
+
+
+def test_progress_without_a_terminal_is_plain_lines_from_the_first_iteration():
+    lines = _progress_run(tty=False, max_iters=25, interval=10).splitlines()
+    assert [line.split(" | ")[:2] for line in lines] == [["iter 1/25   4%", "loss 2.0000"],
+                                                          ["iter 10/25  40%", "loss 1.1000"],
+                                                          ["iter 20/25  80%", "loss 0.1000"],
+                                                          ["iter 25/25 100%", "loss -0.4000"]]
+    assert all(" | lr 1.0e-04 | " in line and " tok/s | ETA " in line for line in lines)
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_progress_on_a_terminal_is_one_bar_redrawn_in_place():
+    out = _progress_run(tty=True, max_iters=4, interval=10)
+    frames = out.split("\r")[1:]
+    assert [frame.split(" | ")[0] for frame in frames] == [
+        "iter 1/4 [######------------------]  25%", "iter 2/4 [############------------]  50%",
+        "iter 3/4 [##################------]  75%", "iter 4/4 [########################] 100%"]
+    assert out.endswith("\n") and out.count("\n") == 1
+
+
+def test_progress_counts_to_where_max_steps_stops_the_run():
+    lines = _progress_run(tty=False, max_iters=100, interval=10, stop_at=4).splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["iter 1/4  25%", "iter 4/4 100%"]
+
+
+def test_progress_line_format():
+    from sfttool.engine.hooks.progress_hook import format_eta, progress_line
+
+    assert progress_line(12, 80, 2.31412, 1.2e-4, 312.4, 250, bar=False) == \
+        "iter 12/80  15% | loss 2.3141 | lr 1.2e-04 | 312 tok/s | ETA 0:04:10"
+    assert format_eta(4210.2) == "1:10:10"
+
+
+def test_hooks_are_built_through_sfttools_build_with_mmengines_priority_key():
+    from mmengine.hooks import LoggerHook
+
+    from sfttool.engine.assemble import _build_hook
+    from sfttool.registry import ConfigBuildError
+
+    hook = _build_hook(dict(type=ThroughputHook, priority="LOW"), "custom_hooks[0]")
+    assert isinstance(hook, ThroughputHook) and hook.priority == 70
+    with pytest.raises(ConfigBuildError, match=r"^default_hooks\.logger: building LoggerHook failed: .*'intervl'"):
+        _build_hook(dict(type=LoggerHook, intervl=3), "default_hooks.logger")
+    assert _build_hook(dict(type="IterTimerHook"), "default_hooks.timer") == dict(type="IterTimerHook")

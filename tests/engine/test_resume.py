@@ -28,6 +28,27 @@ def test_resume_is_bit_identical(tmp_path, tiny_config):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_max_steps_stops_with_a_checkpoint_that_resumes_into_the_uninterrupted_run(tmp_path, tiny_config):
+    """--max-steps 2 with accumulation 2: a checkpoint after iteration 4 of 8, on the full run's learning-rate
+    schedule, so --resume ends where the uninterrupted run ends, bit for bit; the resumed run's logged `time`
+    averages only its own 4 iterations, not those before the interruption."""
+    from sfttool.engine.train import train
+
+    cfg = tiny_config(max_epochs=0.2, dropout=0.1, accumulative_counts=2, save_steps=100, keep=2,
+                      custom_hooks="[dict(type='engine_helpers.TimeProbe')]")
+    full = train(str(cfg), work_dir=str(tmp_path / "full"))
+    part = train(str(cfg), work_dir=str(tmp_path / "part"), max_steps=2)
+    assert sorted(p.name for p in part.glob("iter_*")) == ["iter_4.pth"]
+    assert (part / "last_checkpoint").read_text() == str(part / "iter_4.pth")
+    resumed = train(str(cfg), work_dir=str(part), resume="auto")
+    assert sorted(p.name for p in resumed.glob("iter_*")) == ["iter_4.pth", "iter_8.pth"]
+    a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (resumed / "timed_iterations.txt").read_text() == "4"
+
+
 def test_latest_checkpoint_ignores_unfinished(tmp_path):
     from sfttool.engine.checkpoint import find_latest_checkpoint
 
@@ -40,7 +61,7 @@ def test_latest_checkpoint_ignores_unfinished(tmp_path):
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     from sfttool.config import ConfigError
-    from sfttool.engine.train import resolve_resume
+    from sfttool.engine.preflight import resolve_resume
 
     with pytest.raises(ConfigError, match="no checkpoint"):
         resolve_resume("auto", tmp_path)
@@ -132,7 +153,7 @@ def test_a_pointer_to_no_complete_checkpoint_falls_back_to_the_newest(tmp_path, 
 
 def test_resume_checkpoint_kind_must_match_deepspeed(tmp_path):
     from sfttool.config import ConfigError
-    from sfttool.engine.train import resolve_resume
+    from sfttool.engine.preflight import resolve_resume
 
     (tmp_path / "iter_4.pth").write_bytes(b"x")
     (tmp_path / "ds").mkdir()
@@ -156,7 +177,7 @@ def _snapshot(folder) -> dict:
 
 def test_a_work_dir_with_an_earlier_runs_checkpoints_is_refused_and_left_alone(tmp_path):
     from sfttool.engine.safety import WorkDirError
-    from sfttool.engine.train import check_work_dir
+    from sfttool.engine.preflight import check_work_dir
 
     work = tmp_path / "work"
     work.mkdir()
@@ -176,7 +197,7 @@ def test_a_work_dir_with_an_earlier_runs_checkpoints_is_refused_and_left_alone(t
 
 
 def test_a_work_dir_without_complete_checkpoints_can_be_trained_into(tmp_path):
-    from sfttool.engine.train import check_work_dir
+    from sfttool.engine.preflight import check_work_dir
 
     (tmp_path / "iter_4.pth.tmp").write_bytes(b"partial")  # the first save was killed: nothing to continue
     (tmp_path / "20250101_000000").mkdir()                 # a log folder of a run that failed early
@@ -185,7 +206,7 @@ def test_a_work_dir_without_complete_checkpoints_can_be_trained_into(tmp_path):
 
 def test_a_work_dir_that_is_a_file_is_a_clear_error(tmp_path):
     from sfttool.engine.safety import WorkDirError
-    from sfttool.engine.train import check_work_dir
+    from sfttool.engine.preflight import check_work_dir
 
     afile = tmp_path / "afile"
     afile.write_text("x")

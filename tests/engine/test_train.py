@@ -74,18 +74,55 @@ def test_generation_hook_outputs(lora_run):
 
 
 @pytest.mark.slow
-def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir):
+def test_full_finetune_exports_an_hf_model(tmp_path, tiny_config, tiny_qwen2_dir, monkeypatch):
+    """A bfloat16 config on a machine without a GPU trains in float32 and exports in bfloat16."""
+    import json
+
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from sfttool.engine.train import train
 
-    work_dir = train(str(tiny_config(lora=False, max_epochs=0.2, save_steps=4)), work_dir=str(tmp_path / "w"))
+    monkeypatch.delenv("SFTTOOL_CPU_HALF_PRECISION", raising=False)
+    cfg = tiny_config(lora=False, max_epochs=0.2, save_steps=4, dtype="bfloat16",
+                      custom_hooks="[dict(type='engine_helpers.DtypeProbe')]")
+    work_dir = train(str(cfg), work_dir=str(tmp_path / "w"))
+    assert (work_dir / "trained_dtype.txt").read_text() == ("torch.bfloat16" if torch.cuda.is_available()
+                                                            else "torch.float32")
+    assert json.loads((work_dir / "hf_model" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(work_dir / "hf_model" / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     trained = AutoModelForCausalLM.from_pretrained(work_dir / "hf_model", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
     assert (work_dir / "hf_model" / "tokenizer_config.json").is_file()
     assert trained.config.use_cache is True  # training turns the KV cache off; the export is for inference
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert len(changed) == len(list(base.parameters()))  # every weight trained
+
+
+@pytest.mark.parametrize("dtype, on_gpu, env, loaded", [
+    ("bfloat16", False, None, "float32"), ("torch.float16", False, None, "float32"),
+    ("bfloat16", False, "1", "bfloat16"), ("bfloat16", True, None, "bfloat16"), ("float32", False, None, "float32"),
+])
+def test_half_precision_loads_in_float32_without_a_gpu(monkeypatch, dtype, on_gpu, env, loaded):
+    from sfttool.engine.preflight import model_cfg_for_device
+
+    if env is None:
+        monkeypatch.delenv("SFTTOOL_CPU_HALF_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("SFTTOOL_CPU_HALF_PRECISION", env)
+    model_cfg = dict(type="SupervisedFinetune", llm=dict(type="AutoModelForCausalLM", dtype=dtype))
+    built, note = model_cfg_for_device(model_cfg, on_gpu)
+    assert built["llm"]["dtype"].replace("torch.", "") == loaded
+    assert model_cfg["llm"]["dtype"] == dtype  # the config (what the run dumps) keeps its dtype
+    if loaded == "float32" and dtype != "float32":
+        assert note == ("no GPU: the model is loaded in float32, not the config's float16 (about 2x faster on "
+                        "CPU); the export is saved in float16. Set SFTTOOL_CPU_HALF_PRECISION=1 to train in "
+                        "float16").replace("float16", dtype.replace("torch.", ""))
+    elif env:
+        assert note.startswith("no GPU: training in bfloat16 as the config asks (SFTTOOL_CPU_HALF_PRECISION=1)")
+    else:
+        assert note is None
 
 
 def test_one_process_rank_env_puts_back_what_was_there(monkeypatch):
@@ -106,7 +143,7 @@ def test_token_ids_beyond_the_embedding_table_are_refused_before_training(tiny_l
     from transformers import AutoModelForCausalLM
 
     from sfttool.config import ConfigError
-    from sfttool.engine.train import check_vocabulary
+    from sfttool.engine.preflight import check_vocabulary
     from sfttool.model import SupervisedFinetune
     model = SupervisedFinetune(llm=AutoModelForCausalLM.from_pretrained(tiny_llama_dir), use_activation_checkpointing=False)
     rows = model.llm.get_input_embeddings().num_embeddings
@@ -114,3 +151,20 @@ def test_token_ids_beyond_the_embedding_table_are_refused_before_training(tiny_l
     with pytest.raises(ConfigError, match=rf"^the data holds token id {rows + 2} but the model's embedding table "
                                           rf"has {rows} rows: .*set model=dict\(\.\.\., tokenizer=tokenizer\)"):
         check_vocabulary(Dataset.from_dict({"input_ids": [[1, 2], [rows + 2, 3]]}), model)
+
+
+def test_the_template_check_is_a_warning_naming_the_first_difference(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    """The check `check-custom-dataset` runs, before any data is processed: llama3_chat on a ChatML tokenizer."""
+    from sfttool.config import load_config
+    from sfttool.engine.preflight import check_template, template_problems
+
+    cfg = load_config(str(write_config(tmp_path / "llama3.py", tiny_qwen2_dir, tiny_sft_jsonl,
+                                       template="llama3_chat")))
+    problems = template_problems(cfg)
+    assert problems[0].startswith("the configured template renders differently from the tokenizer's chat_template "
+                                  "(first difference at character ")
+    assert "template:      '" in problems[0] and "<|start_header_id|>" in problems[0]
+    assert "chat_template: '" in problems[0] and "<|im_start|>" in problems[0]
+    check_template(cfg, strict=False)  # a warning only
+    same = load_config(str(write_config(tmp_path / "qwen.py", tiny_qwen2_dir, tiny_sft_jsonl)))
+    assert template_problems(same) == []

@@ -3,7 +3,7 @@
 Before training, every ``every_n_iters`` iterations and after training, each
 input is rendered exactly as ``sfttool chat`` renders it (``encode_prompt``
 with the config's template), answered greedily by default, cut at
-the template's STOP_WORDS plus ``stop_words``, logged, and appended to
+the stop words ``sfttool chat`` uses (``sfttool.utils.stop_words``), logged, and appended to
 ``work_dir/eval_outputs/iter_<n>.jsonl``:
 
     {"iter": 10, "input": "Hi?", "prompt": "<|im_start|>user\\nHi?...", "output": "Hello."}
@@ -20,25 +20,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
 from sfttool.registry import BUILDER, build_if_config
-
-
-def _template_stop_words(template: Any) -> list[str]:
-    if template is None:
-        return []
-    if isinstance(template, str):
-        from sfttool.utils.templates import get_template
-        template = get_template(template)
-    return list(template.get("STOP_WORDS") or [])
-
-
-def cut_at_stop_words(text: str, stop_words: list[str]) -> str:
-    """``'Hi.<|im_end|>junk'`` with stop word ``'<|im_end|>'`` -> ``'Hi.'``."""
-    cut = len(text)
-    for word in stop_words:
-        pos = text.find(word)
-        if word and pos != -1:
-            cut = min(cut, pos)
-    return text[:cut]
+from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
 
 @BUILDER.register_module()
@@ -63,7 +45,9 @@ class EvaluateChatHook(Hook):
         self.system = system or ""
         self.prompt_template = prompt_template
         self.every_n_iters = every_n_iters
-        self.stop_words = _template_stop_words(prompt_template) + list(stop_words) + ([stop_word] if stop_word else [])
+        self._extra_stop_words = list(stop_words) + ([stop_word] if stop_word else [])
+        # The same words `sfttool chat` stops on; the model's own end tokens join them at generation.
+        self.stop_words = stop_words_for(prompt_template, self.tokenizer, extra=self._extra_stop_words)
         self.generation_kwargs = self._default_generation_kwargs(max_new_tokens)
         self.generation_kwargs.update(generation_kwargs)
         self._generated_at = None  # the iteration generated for last
@@ -101,6 +85,8 @@ class EvaluateChatHook(Hook):
         from sfttool.engine.runner import unwrap_model
 
         model = unwrap_model(runner.model)
+        self.stop_words = stop_words_for(self.prompt_template, self.tokenizer, getattr(model, "llm", None),
+                                         self._extra_stop_words)
         was_training = model.training
         model.eval()
         try:
@@ -122,7 +108,7 @@ class EvaluateChatHook(Hook):
             out = model.llm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         answer = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
         return {"iter": iteration, "input": text, "prompt": self.tokenizer.decode(ids),
-                "output": cut_at_stop_words(answer, self.stop_words + [self.tokenizer.eos_token or ""])}
+                "output": cut_at_stop_words(answer, self.stop_words)}
 
     def _write(self, runner, iteration: int, records: list[dict]) -> None:
         folder = os.path.join(runner.work_dir, "eval_outputs")

@@ -115,38 +115,13 @@ class PreemptionHook(Hook):
         if not any_rank(self.received is not None):
             return
         signum = self.received if self.received is not None else signal.SIGTERM  # another rank's signal
-        path = self._save(runner)
+        path = save_checkpoint_now(runner)
         self._restore()
         from mmengine.dist import is_main_process
 
         if is_main_process():  # to the console and the run's log file
             print_log(self._resume_message(runner, signum, path), logger="current", level=30)
         raise TrainingPreempted(128 + int(signum))
-
-    def _save(self, runner) -> Path:
-        step = runner.iter + 1
-        hooks = [h for h in runner.hooks if isinstance(h, CheckpointHook) and not h.by_epoch]
-        if hooks:
-            hook = hooks[0]
-            last = getattr(hook, "last_ckpt", None)
-            if not (last and Path(last).name == hook.filename_tmpl.format(step)):
-                hook._save_checkpoint(runner)  # the atomic save, keep-last-K and `last_checkpoint` pointer
-            return Path(hook.last_ckpt)
-        return self._save_without_checkpoint_hook(runner, step)
-
-    @staticmethod
-    def _save_without_checkpoint_hook(runner, step: int) -> Path:
-        from mmengine.dist import barrier, is_main_process
-
-        name = f"iter_{step}.pth"
-        final = Path(runner.work_dir) / name
-        runner.save_checkpoint(runner.work_dir, name + ".tmp", meta=dict(epoch=runner.epoch, iter=step))
-        barrier()
-        if is_main_process():
-            os.replace(final.with_name(name + ".tmp"), final)
-            (Path(runner.work_dir) / "last_checkpoint").write_text(str(final))
-        barrier()
-        return final
 
     @staticmethod
     def _resume_message(runner, signum: int, path: Path) -> str:
@@ -155,6 +130,38 @@ class PreemptionHook(Hook):
                 f"{runner.max_iters}; checkpoint saved to {path}. Resume with:\n"
                 f"    sfttool train {config} --work-dir {runner.work_dir} --resume\n"
                 f"(exit code {128 + int(signum)})")
+
+
+def save_checkpoint_now(runner) -> Path:
+    """A checkpoint of the state after this iteration (an optimizer-step boundary), written by the
+    run's checkpoint hook (atomic, keep-last-K, ``last_checkpoint`` pointer) unless that hook saved this
+    step already; returns its path. Used when a run stops early: a signal, ``--max-steps``."""
+    step = runner.iter + 1
+    hooks = [h for h in runner.hooks if isinstance(h, CheckpointHook) and not h.by_epoch]
+    if hooks:
+        hook = hooks[0]
+        last = getattr(hook, "last_ckpt", None)
+        if not (last and Path(last).name == hook.filename_tmpl.format(step)):
+            hook._save_checkpoint(runner)
+        return Path(hook.last_ckpt)
+    return _save_without_checkpoint_hook(runner, step)
+
+
+def _save_without_checkpoint_hook(runner, step: int) -> Path:
+    from mmengine.dist import barrier, is_main_process
+
+    from sfttool.utils.atomic import atomic_write_text, publish, reported_save
+
+    name = f"iter_{step}.pth"
+    final = Path(runner.work_dir) / name
+    with reported_save(final, final.with_name(name + ".tmp")):
+        runner.save_checkpoint(runner.work_dir, name + ".tmp", meta=dict(epoch=runner.epoch, iter=step))
+        barrier()
+        if is_main_process():
+            publish(final.with_name(name + ".tmp"), final)
+            atomic_write_text(Path(runner.work_dir) / "last_checkpoint", str(final))
+    barrier()
+    return final
 
 
 @contextlib.contextmanager

@@ -1,0 +1,269 @@
+"""Assembling the runner from a config and what the run built (model, dataset):
+the data loader, the loop, the learning-rate schedule, the optimizer wrapper
+and the hooks, in one place each. ``build_runner`` gives mmengine's ``Runner``,
+or its ``FlexibleRunner`` with a DeepSpeed strategy.
+
+Hooks and loops are assembled in ``hooks`` and ``train_loop_cfg``: a feature
+that adds a hook or a loop adds it there.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from sfttool import compat
+from sfttool.engine.preflight import accumulative_counts
+from sfttool.registry import build, resolve_type
+
+
+@dataclass
+class RunPlan:
+    """What the command line decided about this run, besides the config."""
+    work_dir: Path
+    launcher: str = "none"
+    seed: int = 0
+    name: str = "run"
+    deepspeed: str | None = None
+    resume_from: str | None = None  # a checkpoint already resolved by preflight.resolve_resume
+    max_steps: int | None = None    # stop after this many optimizer steps, with a checkpoint
+    dry_run: bool = False           # one iteration, nothing saved
+
+
+def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
+    from sfttool.engine.schedulers import resolve_param_schedulers
+
+    per_epoch = iters_per_epoch(cfg, dataset)
+    loop = train_loop_cfg(cfg)
+    full_run = total_iters(loop, per_epoch)
+    default_hooks, custom_hooks = hooks(cfg, plan, this_run_iters(cfg, plan, full_run))
+    common = dict(
+        model=model, work_dir=str(plan.work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
+        # the schedule of the full run, also when --max-steps stops early: --resume continues it unchanged
+        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, full_run,
+                                                 accumulative_counts(cfg)),
+        default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=plan.launcher, env_cfg=env_cfg(cfg, plan),
+        log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
+        visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=plan.seed),
+        resume=plan.resume_from is not None, load_from=plan.resume_from or cfg.get("load_from"), cfg=cfg,
+        experiment_name=plan.name)
+    if plan.deepspeed:
+        return _deepspeed_runner(cfg, model, plan.deepspeed, common)
+    from mmengine.runner import Runner
+
+    if plan.launcher != "none":  # the Runner reads the wrapper from its cfg
+        common["cfg"] = cfg = copy.deepcopy(cfg)
+        cfg.model_wrapper_cfg = compat.cpu_ddp_wrapper_cfg(cfg.get("model_wrapper_cfg"),
+                                                           cfg.get("find_unused_parameters", False))
+    return Runner(optim_wrapper=optim_wrapper_cfg(cfg), **common)
+
+
+# ---------------------------------------------------------------------------
+# Data and loop
+
+def dataloader_cfg(cfg: Any, dataset: Any) -> dict:
+    """``train_dataloader`` with the built dataset and resolved callables
+    (mmengine's registries do not know dotted paths a dumped config holds)."""
+    dl = dict(cfg.train_dataloader)
+    dl["dataset"] = dataset
+    collate = dl.get("collate_fn")
+    if isinstance(collate, dict):
+        args = {k: v for k, v in collate.items() if k != "type"}
+        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], "train_dataloader.collate_fn.type"),
+                                             **args)
+    sampler = dl.get("sampler")
+    if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
+        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], "train_dataloader.sampler.type"))
+    return dl
+
+
+def iters_per_epoch(cfg: Any, dataset: Any) -> int:
+    """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares)."""
+    from mmengine.dist import get_world_size
+
+    share = -(-len(dataset) // get_world_size())
+    return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
+
+
+def train_loop_cfg(cfg: Any) -> dict:
+    from sfttool.engine.runner import TrainLoop
+
+    loop = dict(cfg.train_cfg)
+    loop["type"] = resolve_type(loop["type"], "train_cfg.type") if "type" in loop else TrainLoop
+    return loop
+
+
+def total_iters(loop: dict, per_epoch: int) -> int:
+    if loop.get("max_iters") is not None:
+        return int(loop["max_iters"])
+    return int(-(-float(loop["max_epochs"]) * per_epoch // 1))
+
+
+def this_run_iters(cfg: Any, plan: RunPlan, full_run: int) -> int:
+    """Iterations this process runs at most: the full run, or what ``--max-steps``/``--dry-run`` allow."""
+    if plan.dry_run:
+        return 1
+    if plan.max_steps:
+        return min(full_run, plan.max_steps * accumulative_counts(cfg))
+    return full_run
+
+
+def optim_wrapper_cfg(cfg: Any) -> dict:
+    from sfttool.engine.nonfinite import guard_optim_wrapper_cfg
+
+    return guard_optim_wrapper_cfg(compat.cpu_optim_wrapper_type(dict(cfg.optim_wrapper)))
+
+
+def env_cfg(cfg: Any, plan: RunPlan) -> dict:
+    env = dict(cfg.get("env_cfg") or {})
+    env["dist_cfg"] = dict(env.get("dist_cfg") or {})
+    # on CPU the dumped env names the backend a process group uses there (gloo), not the config's nccl
+    env["dist_cfg"]["backend"] = compat.cpu_dist_backend(env["dist_cfg"].get("backend"),
+                                                         warn=False)  # init_distributed warned
+    return env
+
+
+# ---------------------------------------------------------------------------
+# Hooks
+
+def hooks(cfg: Any, plan: RunPlan, iterations: int) -> tuple[dict, list]:
+    """(default_hooks, custom_hooks): the checkpoint hook made atomic, the logger's interval no longer
+    than the run, our hooks built with sfttool's builder (their tokenizer configs too), then the
+    hooks every run gets: RNG state for exact resume, progress, preemption, an early stop."""
+    from sfttool.engine.checkpoint import RNGStateHook
+    from sfttool.engine.hooks.progress_hook import ProgressHook
+
+    default = dict(cfg.get("default_hooks") or {})
+    default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), plan)
+    interval = _cap_logger_interval(default, iterations)
+    default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
+    custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
+    every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom)
+    if plan.dry_run or plan.max_steps:
+        from sfttool.engine.hooks.stop_hook import StopAfterHook
+        every_run.append(StopAfterHook(iterations=iterations, save=not plan.dry_run))
+    return default, custom + every_run
+
+
+def _checkpoint_hook(node: Any, plan: RunPlan) -> Any:
+    from sfttool.engine.checkpoint import AtomicCheckpointHook
+
+    ckpt = dict(node or {})
+    ckpt.pop("type", None)
+    ckpt["by_epoch"] = False  # TrainLoop counts iterations
+    if plan.dry_run:  # it writes into a temporary folder anyway: spend no time on it
+        ckpt.update(interval=-1, save_last=False)
+    return AtomicCheckpointHook(**ckpt)
+
+
+def _cap_logger_interval(default: dict, iterations: int) -> int:
+    """A log interval longer than the run logs nothing (a run of 8 iterations with interval 10
+    printed no loss and wrote no scalars): cap it at the run's length. Returns the interval."""
+    if "logger" not in default:  # mmengine would add its LoggerHook with interval 10
+        default["logger"] = dict(type="LoggerHook")
+    logger = default["logger"]
+    if isinstance(logger, dict):
+        interval = min(int(logger.get("interval", 10)), max(iterations, 1))
+        default["logger"] = dict(logger, interval=interval)
+        return interval
+    return max(min(int(getattr(logger, "interval", 10)), iterations), 1)
+
+
+def _preemption_hook(custom: list) -> list:
+    """SIGTERM/SIGINT -> checkpoint at the next step boundary, exit 128+signal
+    (every run gets it unless the config lists its own)."""
+    from sfttool.engine.hooks.preemption_hook import PreemptionHook
+
+    return [] if any(isinstance(h, PreemptionHook) for h in custom) else [PreemptionHook()]
+
+
+def _build_hook(hook: Any, key: str) -> Any:
+    """Through sfttool's ``build`` (errors name the config key), except a bare name of mmengine's
+    hook registry, which only mmengine resolves."""
+    if isinstance(hook, dict) and isinstance(hook.get("type"), str) and "." not in hook["type"]:
+        try:
+            resolve_type(hook["type"], key)
+        except Exception:
+            return hook  # a name in mmengine's own hook registry: mmengine builds it
+    if isinstance(hook, dict) and "priority" in hook:  # mmengine's key for the runner, not the hook's argument
+        from mmengine.runner import get_priority
+
+        hook = dict(hook)
+        priority = hook.pop("priority")
+        built = build(hook, key)
+        built.priority = get_priority(priority)
+        return built
+    return build(hook, key)
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed
+
+def _deepspeed_runner(cfg: Any, model: Any, deepspeed: str, common: dict):
+    from mmengine.runner._flexible_runner import FlexibleRunner
+
+    from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
+
+    ds = deepspeed_config(deepspeed, cfg)
+    strategy = deepspeed_strategy(ds, lora=bool(getattr(model, "use_lora", False)))
+    return FlexibleRunner(strategy=strategy, optim_wrapper=_guarded(deepspeed_optim_wrapper(dict(cfg.optim_wrapper)),
+                                                                    cfg.optim_wrapper), **common)
+
+
+def _guarded(ds_wrapper: dict, user_cfg: Any) -> dict:
+    """The non-finite loss guard on DeepSpeed's wrapper (counts and stops; DeepSpeed skips)."""
+    from sfttool.engine.nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, guard_optim_wrapper_cfg
+
+    limit = user_cfg.get("max_consecutive_nonfinite", DEFAULT_MAX_CONSECUTIVE_NONFINITE)
+    return guard_optim_wrapper_cfg(dict(ds_wrapper, max_consecutive_nonfinite=limit))
+
+
+# ---------------------------------------------------------------------------
+# The run's name and its log before the runner exists
+
+_runs_in_this_process = itertools.count(1)
+
+
+def experiment_name(cfg: Any) -> str:
+    """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a process.
+
+    mmengine 0.10.x names a run's message hub and logger ``<name>_<timestamp to the second>`` and hands back an
+    existing instance of that name, so a second run started in the same process within the same second
+    (tests, notebooks) inherited the first run's checkpoint bookkeeping -- and deleted its own new
+    checkpoints as "older than the last K" -- and logged into the first run's file. Every rank runs
+    ``train`` the same number of times, so the numbers agree across ranks."""
+    name = cfg.get("experiment_name") or (Path(cfg.filename).stem if cfg.filename else "run")
+    n = next(_runs_in_this_process)
+    return name if n == 1 else f"{name}_run{n}"
+
+
+@contextlib.contextmanager
+def setup_log(name: str) -> Iterator[list]:
+    """A fresh current logger for what happens before the runner exists (the dataset's counts, model
+    loading): printed as usual, and kept so the run's log file gets it too. Without it (mmengine 0.10.x:
+    ``print_log(logger="current")`` writes to the newest MMLogger, and the run's own exists only once
+    the runner is built), a second run in the same process logged its set-up into the first run's file."""
+    from mmengine.logging import MMLogger
+
+    records: list = []
+    logger = MMLogger.get_instance(f"{name}_setup")
+    keeper = logging.Handler()
+    keeper.emit = records.append
+    logger.addHandler(keeper)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(keeper)
+
+
+def replay_setup_log(runner: Any, records: list) -> None:
+    """Write what ``setup_log`` kept into the run's log file."""
+    for handler in runner.logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            for record in records:
+                handler.handle(record)

@@ -1,0 +1,97 @@
+"""The run's one-paragraph summary: what is trained, on what, for how long, and
+where the outputs go. Printed on rank 0 before the first iteration and kept in
+the run's log file; with ``--verbose`` the full config and hook table follow it.
+
+    Training ./models/smollm2 with LoRA (r=8) in float32 on CPU: 0.92 M of 135.4 M parameters trained
+    (0.68 %). Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step (batch 1 x 16
+    accumulation x 1 process). 57 iterations = 4 optimizer steps = 1 epoch. Outputs in ./work_dirs/demo
+    (checkpoints, log, config); the adapter goes to ./work_dirs/demo/hf_adapter.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sfttool.engine.assemble import RunPlan, iters_per_epoch, this_run_iters, total_iters, train_loop_cfg
+from sfttool.engine.preflight import accumulative_counts
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trained, total) parameters, 4-bit and ZeRO-3-partitioned weights at their full size."""
+    from sfttool.engine.hooks.throughput_hook import logical_numel
+
+    trained = total = 0
+    for param in model.parameters():
+        n = logical_numel(param)
+        total += n
+        trained += n if param.requires_grad else 0
+    return trained, total
+
+
+def dataset_tokens(dataset: Any) -> int | None:
+    """Tokens in the built dataset, or None when it is not a table of ``input_ids`` (a stream)."""
+    import pyarrow.compute as pc
+
+    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        return None
+    ids = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    return int(pc.sum(pc.list_value_length(ids)).as_py() or 0)
+
+
+def method(cfg: Any, model: Any) -> str:
+    llm = (cfg.get("model") or {}).get("llm") or {}
+    if not getattr(model, "use_lora", False):
+        return "full fine-tuning"
+    rank = ((cfg.get("model") or {}).get("lora") or {}).get("r")
+    name = "QLoRA" if isinstance(llm, dict) and llm.get("quantization_config") is not None else "LoRA"
+    return f"{name} (r={rank})" if rank is not None else name
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f} M"
+
+
+def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: int = 1) -> str:
+    import torch
+
+    from sfttool.engine.export import export_folder_name
+
+    llm = (cfg.get("model") or {}).get("llm") or {}
+    source = llm.get("pretrained_model_name_or_path", "the model") if isinstance(llm, dict) else "the model"
+    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "?")
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    trained, total = count_parameters(model)
+    batch, accum = int(cfg.train_dataloader.get("batch_size", 1)), accumulative_counts(cfg)
+    rows, tokens = len(dataset), dataset_tokens(dataset)
+    per_epoch = iters_per_epoch(cfg, dataset)
+    full = total_iters(train_loop_cfg(cfg), per_epoch)
+    iterations = this_run_iters(cfg, plan, full)
+    processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+    data = f"Data: {rows:,} rows"
+    if tokens is not None and rows:
+        per_step = tokens / rows * batch * accum * world_size
+        data += (f", {tokens:,} tokens; about {per_step:,.0f} tokens per optimizer step "
+                 f"(batch {batch} x {accum} accumulation x {processes})")
+    epochs = iterations / per_epoch
+    steps = (f"{iterations:,} iterations = {-(-iterations // accum):,} optimizer steps = {epochs:g} "
+             f"epoch{'' if epochs == 1 else 's'}")
+    if iterations < full:
+        steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if plan.dry_run else " (--max-steps)")
+    outputs = (f"Dry run: nothing is saved (checked {plan.work_dir})" if plan.dry_run else
+               f"Outputs in {plan.work_dir} (checkpoints, log, config); the "
+               f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
+               f"{plan.work_dir / export_folder_name(model)}")
+    return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
+            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %). {data}. {steps}. "
+            f"{outputs}.")
+
+
+def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, plan: RunPlan) -> None:
+    """Log the summary (the log file keeps it); print it when the terminal shows no INFO lines."""
+    from mmengine.dist import get_world_size, is_main_process
+
+    from sfttool import compat
+
+    text = summary_text(cfg, model, dataset, plan, get_world_size())
+    runner.logger.info(text)
+    if is_main_process() and not compat.console_is_verbose():
+        print(f"[sfttool] {text}", flush=True)
