@@ -12,7 +12,7 @@ import torch
 
 from engine_helpers import logged
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
-from sfttool.engine.hooks.dataset_info_hook import dataset_stats, trained_spans
+from sfttool.engine.hooks.dataset_info_hook import configured_max_length, dataset_stats, trained_spans
 from sfttool.utils.stop_words import cut_at_stop_words
 from sfttool.engine.hooks.throughput_hook import logical_numel, peak_tflops_of
 
@@ -44,6 +44,10 @@ def test_dataset_stats_on_packed_rows():
     })
     assert dataset_stats(rows) == {"rows": 2, "samples": 3, "tokens": 6, "trained_tokens": 3,
                                    "max_length": 4, "efficiency": 0.75}
+    # With the config's max_length, the efficiency is the pipeline's: tokens / (rows x max_length).
+    assert dataset_stats(rows, 8)["efficiency"] == 6 / 16
+    assert configured_max_length({"train_dataloader": {"dataset": {"max_length": 8}}}) == 8
+    assert configured_max_length({"train_dataloader": {"dataset": {"type": "load_processed_dataset"}}}) is None
 
 
 def test_evaluate_chat_prompt_is_the_chat_prompt(tiny_tokenizer):

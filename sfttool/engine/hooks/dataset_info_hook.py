@@ -11,6 +11,7 @@ from typing import Any
 
 from mmengine.hooks import Hook
 
+from sfttool.dataset.pack import packing_efficiency
 from sfttool.registry import BUILDER, build_if_config
 
 IGNORE_INDEX = -100
@@ -34,15 +35,25 @@ def _trained_tokens(dataset: Any) -> int:
     return sum(sum(1 for x in dataset[i]["labels"] if x != IGNORE_INDEX) for i in range(len(dataset)))
 
 
-def dataset_stats(dataset: Any) -> dict:
-    """``{'rows', 'samples', 'tokens', 'trained_tokens', 'max_length', 'efficiency'}``."""
+def dataset_stats(dataset: Any, max_length: int | None = None) -> dict:
+    """``{'rows', 'samples', 'tokens', 'trained_tokens', 'max_length', 'efficiency'}``; the
+    efficiency is the pipeline's (``pack.packing_efficiency``) of ``max_length``, or of the
+    longest row when the dataset's ``max_length`` is not known."""
     lengths = _lengths(dataset, "input_ids")
     columns = getattr(dataset, "column_names", None) or list(dataset[0].keys())
     samples = sum(_lengths(dataset, "sample_lengths")) if "sample_lengths" in columns else len(lengths)
     trained = _trained_tokens(dataset)
-    tokens, longest = sum(lengths), max(lengths, default=0)
+    tokens = sum(lengths)
+    max_length = max_length or max(lengths, default=0)
     return {"rows": len(lengths), "samples": samples, "tokens": tokens, "trained_tokens": trained,
-            "max_length": longest, "efficiency": tokens / (len(lengths) * longest) if longest else 0.0}
+            "max_length": max_length, "efficiency": packing_efficiency(tokens, len(lengths), max_length) or 0.0}
+
+
+def configured_max_length(cfg: Any) -> int | None:
+    """The ``max_length`` the training dataset was processed to, when the config says it."""
+    dataset_cfg = ((cfg or {}).get("train_dataloader") or {}).get("dataset") or {}
+    value = dataset_cfg.get("max_length") if isinstance(dataset_cfg, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def trained_spans(input_ids: list[int], labels: list[int]) -> list[list[int]]:
@@ -73,7 +84,7 @@ class DatasetInfoHook(Hook):
             return
         if not hasattr(dataset, "__len__") or len(dataset) == 0:
             return
-        stats = dataset_stats(dataset)
+        stats = dataset_stats(dataset, configured_max_length(runner.cfg))
         runner.logger.info(
             f"Dataset: {stats['rows']} rows, {stats['samples']} samples, {stats['tokens']} tokens "
             f"({stats['trained_tokens']} trained), packing efficiency {stats['efficiency']:.1%} "
