@@ -84,17 +84,19 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
 
     from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
+    from sfttool.engine.validation import validation_runner_args
 
     set_random_seed(seed)
     name = experiment_name(cfg)
     with setup_log(name) as records:  # dataset statistics and model loading, before the runner's log file exists
         dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
+        validation = validation_runner_args(cfg)  # val_dataloader/val_cfg/val_evaluator, or {}
         model = build(cfg.model, "model")
         check_vocabulary(dataset, model)  # else an IndexError (a device-side assert on GPU) at the first step
         ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
         if resume_from and not deepspeed:  # DeepSpeed's folders load only with its own pickled objects: not checked
             check_checkpoint_fits(resume_from, model)  # another model's checkpoint: one line, before any building
-    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from, name)
+    runner = build_runner(cfg, model, dataset, work_dir, launcher, seed, deepspeed, resume_from, name, validation)
     for handler in runner.logger.handlers:
         if isinstance(handler, logging.FileHandler):
             for record in records:
@@ -176,6 +178,7 @@ def apply_seed(cfg: Any, seed: int) -> None:
 
     cfg.randomness = dict(cfg.get("randomness") or {}, seed=seed)
     walk(cfg.train_dataloader)
+    walk(cfg.get("val_dataloader"))  # its validation_split must hold out the rows the training split left out
 
 
 def _seed(cfg: Any, seed: int | None) -> int:
@@ -188,19 +191,18 @@ def _seed(cfg: Any, seed: int | None) -> int:
 # ---------------------------------------------------------------------------
 # The runner
 
-def dataloader_cfg(cfg: Any, dataset: Any) -> dict:
-    """``train_dataloader`` with the built dataset and resolved callables
+def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dict:
+    """``train_dataloader`` (or ``key``) with the built dataset and resolved callables
     (mmengine's registries do not know dotted paths a dumped config holds)."""
-    dl = dict(cfg.train_dataloader)
+    dl = dict(cfg[key])
     dl["dataset"] = dataset
     collate = dl.get("collate_fn")
     if isinstance(collate, dict):
         args = {k: v for k, v in collate.items() if k != "type"}
-        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], "train_dataloader.collate_fn.type"),
-                                             **args)
+        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], f"{key}.collate_fn.type"), **args)
     sampler = dl.get("sampler")
     if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
-        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], "train_dataloader.sampler.type"))
+        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], f"{key}.sampler.type"))
     return dl
 
 
@@ -349,8 +351,9 @@ def experiment_name(cfg: Any) -> str:
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: str, seed: int,
-                 deepspeed: str | None, resume_from: str | None, name: str):
-    """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None."""
+                 deepspeed: str | None, resume_from: str | None, name: str, validation: dict | None = None):
+    """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None.
+    ``validation``: the Runner's val_dataloader/val_cfg/val_evaluator (``validation_runner_args``)."""
     from sfttool.engine.schedulers import resolve_param_schedulers
 
     loop = train_loop_cfg(cfg)
@@ -368,7 +371,7 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
         visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),
         resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg,
-        experiment_name=name)
+        experiment_name=name, **(validation or {}))
     if deepspeed:
         return _deepspeed_runner(cfg, model, deepspeed, common)
     from mmengine.runner import Runner

@@ -1,0 +1,118 @@
+"""Validation loss: the mean cross-entropy over every trained token of the validation set.
+
+mmengine's machinery, with the loss kept exact:
+
+- ``ValLoop`` (mmengine's, one step changed): each batch gives, per row, the summed token loss and
+  the trained-token count (``SupervisedFinetune.summed_row_losses``), not logits.
+- ``ValLossMetric`` adds them up over the whole set: ``val/loss = sum(loss) / sum(tokens)``,
+  ``val/ppl = exp(val/loss)``. Token-weighted like training's loss, so it does not depend on how rows
+  are packed or batched. mmengine's ``DefaultSampler`` deals rows to ranks in turn and pads the last
+  round with repeats; ``BaseMetric`` collects the rows back in dataset order and drops the repeats,
+  so 2 processes sum the very same rows, in the same order, as 1.
+
+The Runner gets ``val_dataloader`` / ``val_cfg`` / ``val_evaluator`` from ``validation_runner_args``;
+``TrainLoop`` runs the loop every ``val_interval`` iterations and once at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+from mmengine.evaluator import BaseMetric
+from mmengine.runner import ValLoop as MMValLoop
+from mmengine.runner.base_loop import BaseLoop
+
+from sfttool.errors import SfttoolError
+from sfttool.registry import BUILDER, resolve_type
+
+
+class ValidationError(SfttoolError, ValueError):
+    """Validation settings or data that cannot give a loss."""
+
+
+@BUILDER.register_module()
+class ValLossMetric(BaseMetric):
+    """``val/loss`` (token mean) and ``val/ppl`` from per-row ``(summed loss, trained tokens)`` pairs."""
+
+    default_prefix = "val"
+
+    def process(self, data_batch: Any, data_samples: Sequence) -> None:
+        self.results.extend(data_samples)  # one (loss sum, tokens) pair per row, in the sampler's order
+
+    def compute_metrics(self, results: list) -> dict:
+        tokens = sum(int(count) for _, count in results)
+        if tokens == 0:
+            raise ValidationError("the validation set has no trained token (every label is -100); give "
+                                  "validation rows with answers (val_data_path / val_ratio)")
+        loss = math.fsum(float(total) for total, _ in results) / tokens  # fsum: exact whatever the order
+        return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+
+
+@BUILDER.register_module()
+class ValLoop(MMValLoop):
+    """mmengine's ``ValLoop`` whose step asks the model for per-row summed losses instead of
+    ``val_step`` predictions (full logits), under the training's autocast dtype."""
+
+    def __init__(self, runner, dataloader, evaluator: Any = None, fp16: bool = False) -> None:
+        # mmengine's __init__ warns that a datasets.Dataset has no `metainfo`: nothing here reads it.
+        BaseLoop.__init__(self, runner, dataloader)
+        evaluator = evaluator if evaluator is not None else [dict(type=ValLossMetric)]
+        self.evaluator = runner.build_evaluator(evaluator) if isinstance(evaluator, (dict, list)) else evaluator
+        self.fp16 = fp16
+        self.val_loss: dict = {}
+
+    @torch.no_grad()
+    def run_iter(self, idx: int, data_batch: dict) -> None:
+        from sfttool.engine.runner import unwrap_model
+
+        self.runner.call_hook("before_val_iter", batch_idx=idx, data_batch=data_batch)
+        model = unwrap_model(self.runner.model)
+        data = model.data_preprocessor(data_batch, False)["data"]  # to the model's device
+        with self._autocast(model):
+            sums, tokens = model.summed_row_losses(data)
+        outputs = list(zip(sums.tolist(), tokens.tolist()))
+        self.evaluator.process(data_samples=outputs, data_batch=data_batch)
+        self.runner.call_hook("after_val_iter", batch_idx=idx, data_batch=data_batch, outputs=outputs)
+
+    def _autocast(self, model: Any):
+        """The training step's autocast (``AmpOptimWrapper``'s dtype), so validation sees the same numerics."""
+        dtype = getattr(getattr(self.runner, "optim_wrapper", None), "cast_dtype", None)
+        if self.fp16 and dtype is None:
+            dtype = torch.float16
+        if dtype is None:
+            return contextlib.nullcontext()
+        device = next(model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=dtype)
+
+
+def validation_enabled(cfg: Any) -> bool:
+    """A ``val_dataloader`` is set, and -- in a config with PART 1's ``val_data_path`` / ``val_ratio`` --
+    one of them gives it rows."""
+    if cfg.get("val_dataloader") is None:
+        return False
+    if "val_ratio" in cfg or "val_data_path" in cfg:
+        return bool(cfg.get("val_data_path") or cfg.get("val_ratio"))
+    return True
+
+
+def validation_runner_args(cfg: Any) -> dict:
+    """The Runner's ``val_dataloader`` (its dataset built, rank 0 first, as the training set),
+    ``val_cfg`` and ``val_evaluator``; {} when the config validates nothing."""
+    from mmengine.logging import print_log
+
+    from sfttool.engine.processes import build_dataset_rank0_first
+    from sfttool.engine.train import dataloader_cfg
+
+    if not validation_enabled(cfg):
+        return {}
+    dataset = build_dataset_rank0_first(cfg.val_dataloader.dataset)
+    if len(dataset) == 0:
+        raise ValidationError("the validation set is empty; set val_data_path or val_ratio in PART 1 to give it rows")
+    print_log(f"Validation: {len(dataset)} rows", logger="current", level=logging.INFO)
+    loop = dict(cfg.get("val_cfg") or {})
+    loop["type"] = resolve_type(loop["type"], "val_cfg.type") if "type" in loop else ValLoop
+    return dict(val_dataloader=dataloader_cfg(cfg, dataset, "val_dataloader"), val_cfg=loop,
+                val_evaluator=cfg.get("val_evaluator") or dict(type=ValLossMetric))
