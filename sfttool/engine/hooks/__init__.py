@@ -1,9 +1,10 @@
 """Training hooks with XTuner's names: sample generations, dataset statistics, throughput."""
 from .dataset_info_hook import DatasetInfoHook
+from .early_stopping_hook import EarlyStoppingHook
 from .evaluate_chat_hook import EvaluateChatHook
 from .preemption_hook import PreemptionHook
 from .throughput_hook import ThroughputHook
 from .varlen_attn_args_hook import VarlenAttnArgsToMessageHubHook
 
-__all__ = ["DatasetInfoHook", "EvaluateChatHook", "PreemptionHook", "ThroughputHook",
+__all__ = ["DatasetInfoHook", "EarlyStoppingHook", "EvaluateChatHook", "PreemptionHook", "ThroughputHook",
            "VarlenAttnArgsToMessageHubHook"]

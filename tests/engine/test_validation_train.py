@@ -1,0 +1,103 @@
+"""Validation inside `train`: a held-out split, val/loss in the log and scalars, the best checkpoint,
+early stopping at the right validation, and its count surviving --resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_helpers import Interrupted, logged
+
+# What a config adds for validation (the built-in configs' PART 1/3/5 lines, on the test config).
+VALIDATION = '''
+from sfttool.dataset.split import validation_split
+from sfttool.engine.hooks import EarlyStoppingHook
+from sfttool.engine.validation import ValLoop, ValLossMetric
+
+val_data_path = None
+val_ratio = 0.1
+val_interval = {val_interval}
+early_stopping_patience = {patience}
+early_stopping_min_delta = 1e-6  # a plateau: changes below this do not count
+
+raw_dataset = dict(type=load_dataset, path='json', data_files=data_file)
+train_dataset['dataset'] = dict(type=validation_split, dataset=raw_dataset, part='train', val_ratio=val_ratio,
+                                val_data_path=val_data_path, seed=seed)
+val_dataloader = dict(
+    batch_size=batch_size, num_workers=0,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
+    collate_fn=dict(type=default_collate_fn))
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=ValLossMetric)
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+custom_hooks = custom_hooks + [dict(type=EarlyStoppingHook, patience=early_stopping_patience,
+                                    min_delta=early_stopping_min_delta)]
+default_hooks['checkpoint'].update(save_best='val/loss', rule='less')
+'''
+
+
+def validation_config(tiny_config, name="val.py", val_interval=2, patience=None, **overrides):
+    path = tiny_config(name, accumulative_counts=1, max_epochs=1, **overrides)
+    path.write_text(path.read_text() + VALIDATION.format(val_interval=val_interval, patience=patience))
+    return path
+
+
+def val_records(work_dir) -> list[dict]:
+    runs = sorted(work_dir.glob("*/vis_data/scalars.json"))
+    return [r for r in map(json.loads, runs[-1].read_text().splitlines()) if "val/loss" in r]
+
+
+def log_text(work_dir) -> str:
+    return sorted(work_dir.glob("*/*.log"))[-1].read_text()
+
+
+@pytest.mark.slow
+def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
+    """lr 1e-30: the validation loss does not move (by more than rounding). Validations at steps 2 (the
+    best), 4, 6: the second without an improvement of min_delta (patience 2) stops the run at step 6."""
+    from sfttool.engine.checkpoint import find_best_checkpoint
+    from sfttool.engine.train import train
+
+    work = train(str(validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100)),
+                 work_dir=str(tmp_path / "w"))
+    vals = val_records(work)
+    assert [r["step"] for r in vals] == [2, 4, 6]
+    assert all(r["val/loss"] == pytest.approx(vals[0]["val/loss"], abs=1e-9) for r in vals)
+    assert len(logged(work)) == 6  # the train loss of iterations 1..6, nothing after the stop
+    text = log_text(work)
+    assert "Early stopping at iteration 6" in text
+    assert "Dataset: 6 of 64 rows held out for validation (val_ratio=0.1, seed 7); 58 to train on" in text
+    assert "Validation: " in text and "val/loss: " in text
+    assert find_best_checkpoint(work) == work / "best_val_loss_iter_2.pth"
+    assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_patience_count_survives_resume(tmp_path, tiny_config):
+    """Patience 3: validations at 2 (best), 4, 6, 8 -> stop at 8. Interrupted after iteration 7, the
+    run resumes from iter_6.pth: that checkpoint, written before validation 6, was re-saved after it,
+    so the count is 2 and validation 8 is the third without improvement."""
+    from sfttool.engine.train import train
+
+    common = dict(lr=1e-30, patience=3, save_steps=2, keep=1)
+    stop = validation_config(tiny_config, "stop.py", custom_hooks="[dict(type='engine_helpers.StopAfterIter', n=7)]",
+                             **common)
+    with pytest.raises(Interrupted):
+        train(str(stop), work_dir=str(tmp_path / "w"))
+    assert "Early stopping" not in log_text(tmp_path / "w")
+    work = train(str(validation_config(tiny_config, **common)), work_dir=str(tmp_path / "w"), resume="auto")
+    assert "Early stopping at iteration 8" in log_text(work)
+    assert [r["step"] for r in val_records(work)] == [8]
+
+
+def test_validation_is_off_without_val_data(tmp_path, tiny_config):
+    from mmengine.config import Config
+
+    from sfttool.engine.validation import validation_enabled, validation_runner_args
+
+    cfg = Config.fromfile(str(validation_config(tiny_config)))
+    assert validation_enabled(cfg)
+    cfg.val_ratio = 0
+    cfg.val_data_path = None
+    assert not validation_enabled(cfg) and validation_runner_args(cfg) == {}
