@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 
 from engine_helpers import Interrupted, logged
+
+from sfttool.cli.main import cli
 
 # What a config adds for validation (the built-in configs' PART 1/3/5 lines, on the test config).
 VALIDATION = '''
@@ -59,8 +62,8 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     from sfttool.engine.checkpoint import find_best_checkpoint
     from sfttool.engine.train import train
 
-    work = train(str(validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100)),
-                 work_dir=str(tmp_path / "w"))
+    cfg = validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100)
+    work = train(str(cfg), work_dir=str(tmp_path / "w"))
     vals = val_records(work)
     assert [r["step"] for r in vals] == [2, 4, 6]
     assert all(r["val/loss"] == pytest.approx(vals[0]["val/loss"], abs=1e-9) for r in vals)
@@ -71,6 +74,18 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     assert "Validation: " in text and "val/loss: " in text
     assert find_best_checkpoint(work) == work / "best_val_loss_iter_2.pth"
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+    converted = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(cfg), str(work), str(tmp_path / "best"), "--best"])
+    assert converted.exit_code == 0, converted.output
+    assert (tmp_path / "best" / "adapter_model.safetensors").is_file()
+
+
+def test_convert_best_without_a_best_checkpoint_is_one_line(tmp_path, tiny_config):
+    result = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(tiny_config()), str(tmp_path), str(tmp_path / "o"),
+                                      "--best"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (f"Error: --best: {tmp_path} has no best_checkpoint file naming an existing "
+                                     "checkpoint (the run validated nothing with save_best='val/loss'); pass a "
+                                     "checkpoint path instead of --best")
 
 
 @pytest.mark.slow
