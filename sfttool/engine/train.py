@@ -249,7 +249,14 @@ def hooks(cfg: Any) -> tuple[dict, list]:
     ckpt["by_epoch"] = False  # TrainLoop counts iterations
     default["checkpoint"] = AtomicCheckpointHook(**ckpt)
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
-    return default, custom + [RNGStateHook()] + _preemption_hook(custom)
+    return default, custom + [RNGStateHook()] + _preemption_hook(custom) + _plot_hook(custom)
+
+
+def _plot_hook(custom: list) -> list:
+    """``work_dir/loss.png`` at the end of every run, unless the config lists its own LossPlotHook."""
+    from sfttool.engine.hooks.plot_hook import LossPlotHook
+
+    return [] if any(isinstance(h, LossPlotHook) for h in custom) else [LossPlotHook()]
 
 
 def _preemption_hook(custom: list) -> list:

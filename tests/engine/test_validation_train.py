@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from engine_helpers import Interrupted, logged
 
 from sfttool.cli.main import cli
+from sfttool.tools.plot import read_run
 
 # What a config adds for validation (the built-in configs' PART 1/3/5 lines, on the test config).
 VALIDATION = '''
@@ -74,6 +75,10 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     assert "Validation: " in text and "val/loss: " in text
     assert find_best_checkpoint(work) == work / "best_val_loss_iter_2.pth"
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+    curves = read_run(work)  # what loss.png, written at the end, draws: the logged values
+    assert curves.train == dict(enumerate(logged(work), start=1))
+    assert curves.val == {r["step"]: r["val/loss"] for r in vals}
+    assert (work / "loss.png").stat().st_size > 10_000
     converted = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(cfg), str(work), str(tmp_path / "best"), "--best"])
     assert converted.exit_code == 0, converted.output
     assert (tmp_path / "best" / "adapter_model.safetensors").is_file()
