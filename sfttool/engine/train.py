@@ -59,9 +59,12 @@ def train(config: str, work_dir: str | None = None, deepspeed: str | None = None
 
 def check_config(cfg: Any) -> None:
     """Every problem of the merged config at once, before anything is built."""
+    from sfttool.engine.tracking import check_trackers
+
     errors = validate_config(cfg, cfg.filename)
     if errors:
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    check_trackers(cfg)  # report_to's packages: one line naming the extra to install
 
 
 def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,
@@ -362,6 +365,7 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
     """``resume_from``: a checkpoint path already resolved by ``resolve_resume``, or None.
     ``validation``: the Runner's val_dataloader/val_cfg/val_evaluator (``validation_runner_args``)."""
     from sfttool.engine.schedulers import resolve_param_schedulers
+    from sfttool.engine.tracking import visualizer_cfg
 
     loop = train_loop_cfg(cfg)
     per_epoch = iters_per_epoch(cfg, dataset)
@@ -376,7 +380,7 @@ def build_runner(cfg: Any, model: Any, dataset: Any, work_dir: Path, launcher: s
                                                  accumulative_counts(cfg)),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=launcher, env_cfg=env_cfg,
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
-        visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=seed),
+        visualizer=visualizer_cfg(cfg), randomness=dict(cfg.get("randomness") or {}, seed=seed),
         resume=resume_from is not None, load_from=resume_from or cfg.get("load_from"), cfg=cfg,
         experiment_name=name, **(validation or {}))
     if deepspeed:

@@ -64,6 +64,28 @@ class ValLoop(MMValLoop):
         self.fp16 = fp16
         self.val_loss: dict = {}
 
+    def run(self) -> dict:
+        """mmengine's run, with this validation's metrics alone in the message hub. Its LogProcessor
+        logs any key matching ``loss`` as the mean of its last ``window_size`` values, so ``val/loss``
+        in the log, scalars.json and every tracker was an average over earlier validations (and each
+        validation's progress lines showed the previous one's)."""
+        self._forget_earlier_metrics()
+        self.runner.call_hook("before_val")
+        self.runner.call_hook("before_val_epoch")
+        self.runner.model.eval()
+        for idx, data_batch in enumerate(self.dataloader):
+            self.run_iter(idx, data_batch)
+        metrics = self.evaluator.evaluate(len(self.dataloader.dataset))
+        self._forget_earlier_metrics()
+        self.runner.call_hook("after_val_epoch", metrics=metrics)
+        self.runner.call_hook("after_val")
+        return metrics
+
+    def _forget_earlier_metrics(self) -> None:
+        scalars = self.runner.message_hub.log_scalars  # RuntimeInfoHook stores metric k as "val/k"
+        for key in [k for k in scalars if k.startswith("val/val/")]:
+            del scalars[key]
+
     @torch.no_grad()
     def run_iter(self, idx: int, data_batch: dict) -> None:
         from sfttool.engine.runner import unwrap_model

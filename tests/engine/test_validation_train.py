@@ -8,43 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from engine_helpers import Interrupted, logged
+from validation_helpers import validation_config
 
 from sfttool.cli.main import cli
 from sfttool.tools.plot import read_run
-
-# What a config adds for validation (the built-in configs' PART 1/3/5 lines, on the test config).
-VALIDATION = '''
-from sfttool.dataset.split import validation_split
-from sfttool.engine.hooks import EarlyStoppingHook
-from sfttool.engine.validation import ValLoop, ValLossMetric
-
-val_data_path = None
-val_ratio = 0.1
-val_interval = {val_interval}
-early_stopping_patience = {patience}
-early_stopping_min_delta = 1e-6  # a plateau: changes below this do not count
-
-raw_dataset = dict(type=load_dataset, path='json', data_files=data_file)
-train_dataset['dataset'] = dict(type=validation_split, dataset=raw_dataset, part='train', val_ratio=val_ratio,
-                                val_data_path=val_data_path, seed=seed)
-val_dataloader = dict(
-    batch_size=batch_size, num_workers=0,
-    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
-    sampler=dict(type=DefaultSampler, shuffle=False),
-    collate_fn=dict(type=default_collate_fn))
-val_cfg = dict(type=ValLoop)
-val_evaluator = dict(type=ValLossMetric)
-train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
-custom_hooks = custom_hooks + [dict(type=EarlyStoppingHook, patience=early_stopping_patience,
-                                    min_delta=early_stopping_min_delta)]
-default_hooks['checkpoint'].update(save_best='val/loss', rule='less')
-'''
-
-
-def validation_config(tiny_config, name="val.py", val_interval=2, patience=None, **overrides):
-    path = tiny_config(name, accumulative_counts=1, max_epochs=1, **overrides)
-    path.write_text(path.read_text() + VALIDATION.format(val_interval=val_interval, patience=patience))
-    return path
 
 
 def val_records(work_dir) -> list[dict]:

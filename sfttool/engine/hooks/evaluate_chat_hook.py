@@ -125,6 +125,8 @@ class EvaluateChatHook(Hook):
                 "output": cut_at_stop_words(answer, self.stop_words + [self.tokenizer.eos_token or ""])}
 
     def _write(self, runner, iteration: int, records: list[dict]) -> None:
+        from sfttool.engine.tracking import add_text
+
         folder = os.path.join(runner.work_dir, "eval_outputs")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"iter_{iteration}.jsonl"), "w", encoding="utf-8") as f:
@@ -132,6 +134,7 @@ class EvaluateChatHook(Hook):
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         for record in records:
             runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
+        add_text(runner.visualizer, "samples", "\n\n".join(r["prompt"] + r["output"] for r in records), iteration)
 
 
 def _zero3(wrapped: Any) -> bool:
