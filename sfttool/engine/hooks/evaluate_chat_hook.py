@@ -134,7 +134,8 @@ class EvaluateChatHook(Hook):
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         for record in records:
             runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
-        add_text(runner.visualizer, "samples", "\n\n".join(r["prompt"] + r["output"] for r in records), iteration)
+        samples = "\n\n".join(record["prompt"] + record["output"] for record in records)
+        add_text(getattr(runner, "visualizer", None), "samples", samples, iteration)  # to every tracker
 
 
 def _zero3(wrapped: Any) -> bool:
