@@ -87,7 +87,7 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
 
     from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
-    from sfttool.engine.validation import validation_runner_args
+    from sfttool.engine.validation import restore_best_weights, validation_runner_args
 
     set_random_seed(seed)
     name = experiment_name(cfg)
@@ -106,6 +106,7 @@ def run(cfg: Any, work_dir: Path, launcher: str, seed: int, deepspeed: str | Non
                 handler.handle(record)
     with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run
         runner.train()
+    restore_best_weights(runner, cfg)  # export_best: the HF export holds the best validation's weights
     save_hf(runner, cfg, work_dir)
 
 

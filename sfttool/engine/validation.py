@@ -138,3 +138,31 @@ def validation_runner_args(cfg: Any) -> dict:
     loop["type"] = resolve_type(loop["type"], "val_cfg.type") if "type" in loop else ValLoop
     return dict(val_dataloader=dataloader_cfg(cfg, dataset, "val_dataloader"), val_cfg=loop,
                 val_evaluator=cfg.get("val_evaluator") or dict(type=ValLossMetric))
+
+
+def restore_best_weights(runner: Any, cfg: Any) -> Any:
+    """``export_best = True`` (PART 1): before the end-of-training HF export, load the weights of the
+    best validation (the checkpoint ``work_dir/best_checkpoint`` names) into the model, so
+    ``hf_adapter/`` / ``hf_model/`` hold them instead of the last weights. Returns the checkpoint used,
+    or None (not asked, or no best checkpoint: the last weights are exported, with a warning)."""
+    from mmengine.logging import print_log
+
+    from sfttool.engine.checkpoint import find_best_checkpoint, load_checkpoint
+    from sfttool.engine.runner import unwrap_model
+
+    if not cfg.get("export_best"):
+        return None
+    best = find_best_checkpoint(runner.work_dir)
+    if best is None or best.is_dir():  # a DeepSpeed folder needs its engine: `convert pth_to_hf --best` reads it
+        why = "no validation saved a best checkpoint" if best is None else f"{best} is a DeepSpeed checkpoint"
+        print_log(f"export_best: {why}; exporting the last weights (convert another checkpoint with "
+                  "`sfttool convert pth_to_hf`)", logger="current", level=logging.WARNING)
+        return None
+    model = unwrap_model(runner.model)
+    state = {k.removeprefix("module."): v for k, v in load_checkpoint(best)["state_dict"].items()}
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValidationError(f"export_best: {best} lacks weights of this model such as {sorted(missing)[0]}")
+    model.load_state_dict(state, strict=False)
+    print_log(f"Exporting the weights of the best validation ({best.name})", logger="current", level=logging.INFO)
+    return best

@@ -30,7 +30,8 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     from sfttool.engine.checkpoint import find_best_checkpoint
     from sfttool.engine.train import train
 
-    cfg = validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100)
+    cfg = validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100, extra="export_best = True\n",
+                            custom_hooks="[dict(type='engine_helpers.DumpWeightsHook')]")
     work = train(str(cfg), work_dir=str(tmp_path / "w"))
     vals = val_records(work)
     assert [r["step"] for r in vals] == [2, 4, 6]
@@ -42,6 +43,7 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     assert "Validation: " in text and "val/loss: " in text
     assert find_best_checkpoint(work) == work / "best_val_loss_iter_2.pth"
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+    _assert_the_export_holds_the_best_weights(work)
     curves = read_run(work)  # what loss.png, written at the end, draws: the logged values
     assert curves.train == dict(enumerate(logged(work), start=1))
     assert curves.val == {r["step"]: r["val/loss"] for r in vals}
@@ -49,6 +51,25 @@ def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     converted = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(cfg), str(work), str(tmp_path / "best"), "--best"])
     assert converted.exit_code == 0, converted.output
     assert (tmp_path / "best" / "adapter_model.safetensors").is_file()
+
+
+def _assert_the_export_holds_the_best_weights(work):
+    """export_best: hf_adapter/ is the best checkpoint's adapter (validation 2), not the last weights
+    (lr 1e-30 still moves lora_B off zero, so the two differ)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from sfttool.engine.checkpoint import load_checkpoint
+
+    exported = {k.replace(".weight", ""): v for k, v in
+                load_file(work / "hf_adapter" / "adapter_model.safetensors").items()}
+    best = {k.removeprefix("llm.").replace(".default.weight", ""): v
+            for k, v in load_checkpoint(work / "best_val_loss_iter_2.pth")["state_dict"].items()}
+    last = {k.removeprefix("llm.").replace(".default.weight", ""): v
+            for k, v in torch.load(work / "weights_rank0.pt").items()}
+    assert exported.keys() == best.keys() == last.keys()
+    assert all(torch.equal(exported[k], best[k]) for k in best)
+    assert not all(torch.equal(exported[k], last[k]) for k in last)
 
 
 def test_convert_best_without_a_best_checkpoint_is_one_line(tmp_path, tiny_config):
