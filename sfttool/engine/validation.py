@@ -16,6 +16,7 @@ The Runner gets ``val_dataloader`` / ``val_cfg`` / ``val_evaluator`` from ``vali
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from typing import Any, Sequence
@@ -49,6 +50,17 @@ class ValLossMetric(BaseMetric):
                                   "validation rows with answers (val_data_path / val_ratio)")
         loss = math.fsum(float(total) for total, _ in results) / tokens  # fsum: exact whatever the order
         return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+
+    def evaluate(self, size: int) -> dict:
+        """``BaseMetric.evaluate`` with the rows gathered by ``all_gather_object``: mmengine's CPU
+        collection writes every rank's rows to ``./.dist_test`` for rank 0 to read, which leaves that
+        folder in the working directory and needs a file system shared by every node."""
+        from mmengine.dist import all_gather_object
+
+        parts = all_gather_object(list(self.results))  # [rank][row]: rank r holds rows r, r + world, ...
+        rows = [row for round_ in itertools.zip_longest(*parts) for row in round_ if row is not None][:size]
+        self.results.clear()
+        return {f"{self.prefix}/{k}": v for k, v in self.compute_metrics(rows).items()}
 
 
 @BUILDER.register_module()

@@ -109,3 +109,16 @@ def test_validation_is_off_without_val_data(tmp_path, tiny_config):
     cfg.val_ratio = 0
     cfg.val_data_path = None
     assert not validation_enabled(cfg) and validation_runner_args(cfg) == {}
+
+
+def test_seed_reseeds_both_parts_of_the_split(tiny_config):
+    """--seed must move the training and validation parts together, or rows would land in both."""
+    from mmengine.config import Config
+
+    from sfttool.engine.train import apply_seed
+
+    cfg = Config.fromfile(str(validation_config(tiny_config)))
+    apply_seed(cfg, 99)
+    assert cfg.train_dataloader.dataset.dataset.seed == 99
+    assert cfg.val_dataloader.dataset.dataset.seed == 99
+    assert cfg.val_dataloader.dataset.dataset.part == "val"
