@@ -122,3 +122,21 @@ def test_seed_reseeds_both_parts_of_the_split(tiny_config):
     assert cfg.train_dataloader.dataset.dataset.seed == 99
     assert cfg.val_dataloader.dataset.dataset.seed == 99
     assert cfg.val_dataloader.dataset.dataset.part == "val"
+
+
+@pytest.mark.slow
+def test_two_processes_validate_like_one(tmp_path, tiny_config):
+    """`sfttool train --nproc-per-node 2` (DDP, gloo): the validation set is built and split alike on
+    both ranks and each val/loss is the one-process value (lr 1e-30: the weights stay put)."""
+    from test_distributed import run_sfttool
+
+    from sfttool.engine.train import train
+
+    cfg = validation_config(tiny_config, lr=1e-30, val_interval=4, save_steps=100, dropout=0.0)
+    result = run_sfttool([str(cfg), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one = train(str(cfg), work_dir=str(tmp_path / "one"))
+    two = val_records(tmp_path / "two")
+    assert [r["step"] for r in two] == [4, 8, 12, 16, 19]  # 37 rows / 2 ranks = 19 iterations
+    assert [r["val/loss"] for r in two] == pytest.approx([r["val/loss"] for r in val_records(one)][:1] * 5,
+                                                         rel=1e-9)
