@@ -165,8 +165,8 @@ def restore_best_weights(runner: Any, cfg: Any) -> Any:
     if not cfg.get("export_best"):
         return None
     best = find_best_checkpoint(runner.work_dir)
-    if best is None or best.is_dir():  # a DeepSpeed folder needs its engine: `convert pth_to_hf --best` reads it
-        why = "no validation saved a best checkpoint" if best is None else f"{best} is a DeepSpeed checkpoint"
+    if best is None or best.is_dir():  # a folder (DeepSpeed's sharded save): `convert pth_to_hf --best` reads it
+        why = "no validation saved a best checkpoint" if best is None else f"{best} is a checkpoint folder"
         print_log(f"export_best: {why}; exporting the last weights (convert another checkpoint with "
                   "`sfttool convert pth_to_hf`)", logger="current", level=logging.WARNING)
         return None
