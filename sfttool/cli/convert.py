@@ -20,15 +20,19 @@ def convert() -> None:
 @click.argument("save_dir", type=click.Path(file_okay=False))
 @click.option("--safe-serialization/--no-safe-serialization", default=True, show_default=True, help=_SAFE_HELP)
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest weight file of a full model.")
+@click.option("--best", is_flag=True, help="CHECKPOINT is a work dir: convert its best checkpoint (lowest val/loss, "
+              "named by WORK_DIR/best_checkpoint).")
 @cfg_options_option
 @user_errors
-def pth_to_hf(config, checkpoint, save_dir, safe_serialization, max_shard_size, cfg_options) -> None:
+def pth_to_hf(config, checkpoint, save_dir, safe_serialization, max_shard_size, best, cfg_options) -> None:
     """Convert CHECKPOINT (an mmengine .pth or a DeepSpeed checkpoint folder)
     trained with CONFIG into SAVE_DIR: a peft adapter for LoRA/QLoRA runs, a
     full HF model otherwise; the tokenizer and the config are saved beside it."""
     from sfttool.config import load_config
-    from sfttool.tools.convert import pth_to_hf as run
+    from sfttool.tools.convert import best_checkpoint, pth_to_hf as run
 
+    if best:
+        checkpoint = best_checkpoint(checkpoint)
     cfg = load_config(config, list(cfg_options))
     out = run(cfg, checkpoint, save_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
     click.echo(f"Saved to {out}")

@@ -13,7 +13,7 @@ import copy
 import functools
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,10 +33,12 @@ class RunPlan:
     resume_from: str | None = None  # a checkpoint already resolved by preflight.resolve_resume
     max_steps: int | None = None    # stop after this many optimizer steps, with a checkpoint
     dry_run: bool = False           # one iteration, nothing saved
+    validation: dict = field(default_factory=dict)  # the Runner's val_dataloader/val_cfg/val_evaluator, or {}
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
     from sfttool.engine.schedulers import resolve_param_schedulers
+    from sfttool.engine.tracking import visualizer_cfg
 
     per_epoch = iters_per_epoch(cfg, dataset)
     loop = train_loop_cfg(cfg)
@@ -49,9 +51,9 @@ def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
                                                  accumulative_counts(cfg)),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=plan.launcher, env_cfg=env_cfg(cfg, plan),
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
-        visualizer=cfg.get("visualizer"), randomness=dict(cfg.get("randomness") or {}, seed=plan.seed),
+        visualizer=visualizer_cfg(cfg), randomness=dict(cfg.get("randomness") or {}, seed=plan.seed),
         resume=plan.resume_from is not None, load_from=plan.resume_from or cfg.get("load_from"), cfg=cfg,
-        experiment_name=plan.name)
+        experiment_name=plan.name, **plan.validation)
     if plan.deepspeed:
         return _deepspeed_runner(cfg, model, plan.deepspeed, common)
     from mmengine.runner import Runner
@@ -66,19 +68,18 @@ def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
 # ---------------------------------------------------------------------------
 # Data and loop
 
-def dataloader_cfg(cfg: Any, dataset: Any) -> dict:
-    """``train_dataloader`` with the built dataset and resolved callables
+def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dict:
+    """``train_dataloader`` (or ``key``) with the built dataset and resolved callables
     (mmengine's registries do not know dotted paths a dumped config holds)."""
-    dl = dict(cfg.train_dataloader)
+    dl = dict(cfg[key])
     dl["dataset"] = dataset
     collate = dl.get("collate_fn")
     if isinstance(collate, dict):
         args = {k: v for k, v in collate.items() if k != "type"}
-        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], "train_dataloader.collate_fn.type"),
-                                             **args)
+        dl["collate_fn"] = functools.partial(resolve_type(collate["type"], f"{key}.collate_fn.type"), **args)
     sampler = dl.get("sampler")
     if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
-        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], "train_dataloader.sampler.type"))
+        dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], f"{key}.sampler.type"))
     return dl
 
 
@@ -143,7 +144,7 @@ def hooks(cfg: Any, plan: RunPlan, iterations: int) -> tuple[dict, list]:
     interval = _cap_logger_interval(default, iterations)
     default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
-    every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom)
+    every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom) + _plot_hook(custom)
     if plan.dry_run or plan.max_steps:
         from sfttool.engine.hooks.stop_hook import StopAfterHook
         every_run.append(StopAfterHook(iterations=iterations, save=not plan.dry_run))
@@ -172,6 +173,13 @@ def _cap_logger_interval(default: dict, iterations: int) -> int:
         default["logger"] = dict(logger, interval=interval)
         return interval
     return max(min(int(getattr(logger, "interval", 10)), iterations), 1)
+
+
+def _plot_hook(custom: list) -> list:
+    """``work_dir/loss.png`` at the end of every run, unless the config lists its own LossPlotHook."""
+    from sfttool.engine.hooks.plot_hook import LossPlotHook
+
+    return [] if any(isinstance(h, LossPlotHook) for h in custom) else [LossPlotHook()]
 
 
 def _preemption_hook(custom: list) -> list:

@@ -4,7 +4,9 @@
   write ``iter_N.pth.tmp`` -> rename to ``iter_N.pth`` -> update
   ``last_checkpoint`` (also by rename) -> only then delete checkpoints beyond
   ``max_keep_ckpts``. mmengine deletes the oldest *before* writing, so a kill
-  during the save could leave no loadable checkpoint.
+  during the save could leave no loadable checkpoint. With ``save_best='val/loss'`` the best
+  checkpoint (``best_val_loss_iter_N.pth``, outside the ``max_keep_ckpts`` rotation) is named by
+  ``work_dir/best_checkpoint`` (``find_best_checkpoint``).
 - ``RNGStateHook`` / ``restore_rng_state``: mmengine only re-seeds on resume;
   we record the exact Python/numpy/torch RNG states in the message hub (which
   every checkpoint holds, DeepSpeed's too) and restore them, so dropout draws
@@ -33,6 +35,7 @@ from sfttool.registry import BUILDER
 from sfttool.errors import SfttoolError
 
 _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
+BEST_POINTER = "best_checkpoint"  # beside last_checkpoint: the path of the save_best checkpoint
 
 
 def find_latest_checkpoint(work_dir: str | os.PathLike) -> Path | None:
@@ -73,6 +76,20 @@ def _last_checkpoint(work_dir: Path) -> Path | None:
     return None
 
 
+def find_best_checkpoint(work_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``work_dir/best_checkpoint`` names (``save_best``: the lowest ``val/loss``), when
+    it exists (looked up in ``work_dir`` first: the pointer holds an absolute path)."""
+    work_dir = Path(work_dir)
+    try:
+        named = Path((work_dir / BEST_POINTER).read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    for candidate in (work_dir / named.name, named):
+        if named.name and candidate.exists():
+            return candidate
+    return None
+
+
 @BUILDER.register_module()
 class AtomicCheckpointHook(CheckpointHook):
     """Drop-in for mmengine's ``CheckpointHook`` (same arguments), by iteration."""
@@ -103,6 +120,20 @@ class AtomicCheckpointHook(CheckpointHook):
             for old in dropped:  # only now that the new checkpoint is complete
                 discard(os.path.join(self.out_dir, self.filename_tmpl.format(old)))
         barrier()
+
+    def after_val_epoch(self, runner, metrics) -> None:
+        """mmengine saves the best checkpoint here (``save_best``, kept apart from the ``max_keep_ckpts``
+        rotation) and re-saves this iteration's checkpoint when the best improved, so the checkpoint
+        holds the new best. A validation changes more than that (the early-stopping count): a checkpoint
+        of this very iteration, written before the validation, is re-saved whenever one ran."""
+        best_before = runner.message_hub.get_info("best_ckpt")
+        super().after_val_epoch(runner, metrics)
+        best = runner.message_hub.get_info("best_ckpt")
+        if best != best_before and best is not None and is_main_process():
+            atomic_write_text(os.path.join(runner.work_dir, BEST_POINTER), best)
+        this_iteration = os.path.join(self.out_dir, self.filename_tmpl.format(runner.iter))
+        if best == best_before and self.last_ckpt == this_iteration and runner.iter > 0:
+            self._save_checkpoint_with_step(runner, runner.iter, dict(epoch=runner.epoch, iter=runner.iter))
 
     def _keep_ids(self, step: int) -> tuple[list, list]:
         """(ids to keep, ids to delete) once checkpoint ``step`` exists."""

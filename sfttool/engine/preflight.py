@@ -35,9 +35,12 @@ def announce_config(config: str) -> None:
 
 def check_config(cfg: Any) -> None:
     """Every problem of the merged config at once, before anything is built."""
+    from sfttool.engine.tracking import check_trackers
+
     errors = validate_config(cfg, cfg.filename)
     if errors:
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
+    check_trackers(cfg)  # report_to's packages: one line naming the extra to install
 
 
 def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
@@ -148,6 +151,7 @@ def apply_seed(cfg: Any, seed: int) -> None:
 
     cfg.randomness = dict(cfg.get("randomness") or {}, seed=seed)
     walk(cfg.train_dataloader)
+    walk(cfg.get("val_dataloader"))  # its validation_split must hold out the rows the training split left out
 
 
 def run_seed(cfg: Any, seed: int | None) -> int:

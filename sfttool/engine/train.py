@@ -86,12 +86,14 @@ def run(cfg: Any, plan: RunPlan, strict: bool = False) -> None:
     from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
     from sfttool.engine.summary import announce_summary
+    from sfttool.engine.validation import restore_best_weights, validation_runner_args
 
     set_random_seed(plan.seed)
     plan.name = experiment_name(cfg)
     with setup_log(plan.name) as records:  # data and model loading, before the runner's log file exists
         preflight.check_template(cfg, strict)  # seconds, before the data is processed
         dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
+        plan.validation = validation_runner_args(cfg)  # val_dataloader/val_cfg/val_evaluator, or {}
         model_cfg, dtype_note = preflight.model_cfg_for_device(cfg.model, torch.cuda.is_available())
         model = build(model_cfg, "model")
         if dtype_note:
@@ -108,6 +110,7 @@ def run(cfg: Any, plan: RunPlan, strict: bool = False) -> None:
             runner.train()
         if not plan.dry_run:
             from sfttool.engine.export import save_hf
+            restore_best_weights(runner, cfg)  # export_best: the HF export holds the best validation's weights
             save_hf(runner, cfg, plan.work_dir)
 
 

@@ -161,7 +161,9 @@ class SupervisedFinetune(BaseModel):
             data = data["data"]
         return L.count_loss_units(data["labels"], data.get("position_ids"), self.loss_reduction)
 
-    def compute_loss(self, data: dict) -> dict:
+    def _trained_logits(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits [n, vocab], targets [batch, seq], keep [batch, seq], position_ids)``: the logits
+        of the n positions that predict a trained token, in row-major order."""
         labels = data["labels"]
         position_ids = data.get("position_ids")
         if position_ids is None:
@@ -171,6 +173,20 @@ class SupervisedFinetune(BaseModel):
         logits = self._run_llm(data, logits_to_keep=keep)
         if logits.dim() == 3:  # the model ignored logits_to_keep: select here
             logits = logits[keep]
+        return logits, targets, keep, position_ids
+
+    def summed_row_losses(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of the batch: the summed token cross-entropy (float64) and the trained-token
+        count, ``([batch], [batch])``. Validation adds these up over the whole set, so its loss is
+        the token mean whatever the packing, batch size or process count."""
+        logits, targets, keep, _ = self._trained_logits(data)
+        per_token = torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="none")  # [n]
+        row_of = keep.nonzero()[:, 0]  # [n] the row of each trained position (row-major, as the logits)
+        sums = per_token.new_zeros(keep.shape[0], dtype=torch.float64).index_add(0, row_of, per_token.double())
+        return sums, keep.sum(dim=1)
+
+    def compute_loss(self, data: dict) -> dict:
+        logits, targets, keep, position_ids = self._trained_logits(data)
         sample_of = L.sample_ids(position_ids)[keep] if self.loss_reduction == "sample" else None
         total = L.summed_loss(logits, targets[keep], sample_of)  # [n, vocab] -> scalar
         normalizer = data.get("loss_normalizer")

@@ -124,6 +124,17 @@ def _shape(value) -> list | str:
     return list(value.shape) if hasattr(value, "shape") else type(value).__name__
 
 
+def best_checkpoint(work_dir: str | os.PathLike) -> Path:
+    """``--best``: the checkpoint ``work_dir/best_checkpoint`` names (the lowest ``val/loss``)."""
+    from sfttool.engine.checkpoint import BEST_POINTER, find_best_checkpoint
+
+    found = find_best_checkpoint(work_dir)
+    if found is None:
+        raise ConvertError(f"--best: {work_dir} has no {BEST_POINTER} file naming an existing checkpoint (the run "
+                           "validated nothing with save_best='val/loss'); pass a checkpoint path instead of --best")
+    return found
+
+
 def pth_to_hf(cfg, ckpt: str | os.PathLike, save_dir: str | os.PathLike, safe_serialization: bool = True,
               max_shard_size: str | int = "2GB") -> Path:
     """Convert ``ckpt`` trained with config ``cfg`` (a loaded config) into ``save_dir``."""

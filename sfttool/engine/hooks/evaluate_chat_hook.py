@@ -111,6 +111,8 @@ class EvaluateChatHook(Hook):
                 "output": cut_at_stop_words(answer, self.stop_words)}
 
     def _write(self, runner, iteration: int, records: list[dict]) -> None:
+        from sfttool.engine.tracking import add_text
+
         folder = os.path.join(runner.work_dir, "eval_outputs")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"iter_{iteration}.jsonl"), "w", encoding="utf-8") as f:
@@ -118,6 +120,8 @@ class EvaluateChatHook(Hook):
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         for record in records:
             runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
+        samples = "\n\n".join(record["prompt"] + record["output"] for record in records)
+        add_text(getattr(runner, "visualizer", None), "samples", samples, iteration)  # to every tracker
 
 
 def _zero3(wrapped: Any) -> bool:

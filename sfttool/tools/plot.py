@@ -1,0 +1,127 @@
+"""Loss curves from a run's own scalars: train loss (raw and smoothed), validation loss and learning
+rate against optimizer steps.
+
+mmengine's ``LocalVisBackend`` appends one JSON line per log to
+``WORK_DIR/<timestamp>/vis_data/scalars.json``: train lines carry ``loss``, ``lr`` and ``step`` (the
+iteration), validation lines ``val/loss`` and ``step``. A resumed run starts a new timestamp folder,
+so a work dir's folders are read in order and a later line for an iteration replaces an earlier
+one. A line still being written (a running run) is skipped::
+
+    plot_runs(['work_dirs/a', 'work_dirs/b'], 'compare.png')   # one legend entry per run
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sfttool.errors import SfttoolError
+
+SCALARS = "scalars.json"
+SMOOTHING = 0.9  # TensorBoard-style exponential moving average weight
+
+
+class PlotError(SfttoolError, ValueError):
+    """A work dir without scalars to plot."""
+
+
+@dataclass
+class RunCurves:
+    """One run's curves, x in optimizer steps."""
+    name: str
+    steps_per_iteration: float = 1.0
+    train: dict[float, float] = field(default_factory=dict)  # step -> loss
+    lr: dict[float, float] = field(default_factory=dict)
+    val: dict[float, float] = field(default_factory=dict)
+
+
+def scalar_files(path: str | Path) -> list[Path]:
+    """The scalars files of a work dir (one per run folder, oldest first), a run folder or a file."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob(f"*/vis_data/{SCALARS}")) or sorted(path.glob(f"vis_data/{SCALARS}"))
+    if not files:
+        raise PlotError(f"{path}: no */vis_data/{SCALARS} (the scalars mmengine logs during training); give the "
+                        "work dir of a run started with `sfttool train`")
+    return files
+
+
+def accumulation(scalars_file: Path) -> int:
+    """Iterations per optimizer step, from the config the run dumped beside its scalars (1 if unknown)."""
+    config = scalars_file.parent / "config.py"
+    found = re.findall(r"accumulative_counts\s*=\s*(\d+)", config.read_text()) if config.exists() else []
+    return int(found[-1]) if found else 1  # the last: optim_wrapper's, after PART 1's setting
+
+
+def read_run(path: str | Path, name: str | None = None) -> RunCurves:
+    """A run's curves from its scalars files (see the module docstring)."""
+    files = scalar_files(path)
+    run = RunCurves(name or Path(path).resolve().name)
+    for file in files:
+        per_step = 1 / accumulation(file)
+        run.steps_per_iteration = per_step
+        for record in _records(file):
+            step = record.get("step")
+            if not isinstance(step, (int, float)):
+                continue
+            x = step * per_step
+            for key, curve in (("loss", run.train), ("lr", run.lr), ("val/loss", run.val)):
+                value = record.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    curve[x] = float(value)
+    return run
+
+
+def _records(file: Path):
+    for line in file.read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:  # a line being written by a running run
+            continue
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's), so the first points are not pulled to 0.
+
+    >>> smooth([1.0, 1.0, 1.0])
+    [1.0, 1.0, 1.0]
+    """
+    out, last, debias = [], 0.0, 1.0
+    for value in values:
+        last = weight * last + (1 - weight) * value
+        debias *= weight
+        out.append(last / (1 - debias))
+    return out
+
+
+def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | None = None):
+    """Draw the runs' curves into ``output`` (PNG); returns the matplotlib figure."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed: write a file
+    import matplotlib.pyplot as plt
+
+    runs = [read_run(p, names[i] if names else None) for i, p in enumerate(paths)]
+    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        steps, losses = sorted(run.train), [run.train[s] for s in sorted(run.train)]
+        loss_ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
+        loss_ax.plot(steps, smooth(losses), color=color, linewidth=2, label=run.name)
+        if run.val:
+            val_steps = sorted(run.val)
+            loss_ax.plot(val_steps, [run.val[s] for s in val_steps], color=color, linestyle="--", marker="o")
+        lr_ax.plot(sorted(run.lr), [run.lr[s] for s in sorted(run.lr)], color=color)
+    loss_ax.set_title("loss (thin: train, thick: train smoothed, dashed with dots: validation)")
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend()
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("optimizer step")
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return fig
