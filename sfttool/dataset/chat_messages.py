@@ -19,7 +19,10 @@ Normalised for the templates we test against (Qwen2.5, Qwen3, Llama-3.1): tool-c
 ``tojson``; Qwen2.5 would quote a string a second time); ``content: null`` becomes
 ``""`` (Qwen3's template tests ``'</think>' in content``); empty ``tool_calls`` and
 null ``reasoning_content`` are left out (Llama-3.1 treats a present ``tool_calls``
-key as a call).
+key as a call). Tool schemas and arguments given as objects lose their null values:
+Arrow (``load_dataset('json')``) gives every object of a column the keys of all of them,
+as nulls, which would put keys into the rendered schemas that the data never had; give
+them as JSON text to keep a null.
 """
 from __future__ import annotations
 
@@ -41,7 +44,6 @@ class MessageError(ValueError):
 def is_structured(messages: list[dict], tools: Any = None) -> bool:
     """Whether a message list needs the ``messages``/``tools`` keys (else the plain turns are exact)."""
     return bool(tools) or any(m.get("role") == "tool" or any(m.get(k) for k in STRUCTURED_KEYS)
-                              or "loss" in m and m.get("role") == "assistant" and m.get("loss") is True
                               for m in messages)
 
 
@@ -53,7 +55,9 @@ def normalise_tool_call(call: Any, where: str) -> dict:
     name, arguments = function.get("name"), function.get("arguments", function.get("parameters", {}))
     if not isinstance(name, str) or not name:
         raise MessageError(f"{where}: a tool call needs a function name")
-    if isinstance(arguments, str):
+    if not isinstance(arguments, str):
+        arguments = drop_nulls(arguments)
+    else:
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
@@ -63,6 +67,19 @@ def normalise_tool_call(call: Any, where: str) -> dict:
     if call.get("id"):
         out["id"] = call["id"]
     return out
+
+
+def drop_nulls(value: Any) -> Any:
+    """``value`` without the null values of its objects, at any depth (see the module doc).
+
+    >>> drop_nulls({'a': 1, 'b': None, 'c': [{'d': None}]})
+    {'a': 1, 'c': [{}]}
+    """
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
 
 
 def normalise_message(message: dict, index: int) -> dict:
@@ -112,6 +129,11 @@ def tool_turns(messages: list[dict], tools: list[dict], notes: list[str] | None 
     answer are dropped and noted, as for plain rows.
     """
     normalised = [normalise_message(m, i) for i, m in enumerate(messages)]
+    roles = [m["role"] for m in normalised]
+    late = next((i for i, role in enumerate(roles) if role == "system" and set(roles[:i]) - {"system"}), None)
+    if late is not None:
+        raise MessageError(f"messages[{late}] is a system message after the conversation started, which the "
+                           "standard format does not support; move it to the beginning or drop it")
     systems, turns = _group(normalised, notes)
     conversation = []
     for own in turns:

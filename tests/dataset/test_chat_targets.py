@@ -213,3 +213,81 @@ def test_plain_multi_turn_chat_under_qwen3_is_two_samples(tokenizers):
     trained = [tok.decode([t for t in labels if t != IGNORE]) for labels in out["labels"]]
     assert trained == ["<think>\n\n</think>\n\nA1<|im_end|>", "<think>\n\n</think>\n\nA2<|im_end|>"]
     assert out["input_ids"][1] == ids_of(tok, PLAIN_ROW["messages"], None)
+
+
+# ---------------------------------------------------------------------------
+# Through the pipeline and the stream: split samples stay whole and isolated; splits and ignored
+# fields are counted.
+
+HF = dict(HF_CHAT_TEMPLATE=True)
+
+
+def as_dataset(rows):
+    """Arrow needs one type per field: tool-call arguments as JSON text throughout (same encoding)."""
+    from datasets import Dataset
+    rows = json.loads(json.dumps(rows))
+    for row in rows:
+        for message in row["messages"]:
+            for c in message.get("tool_calls") or []:
+                if not isinstance(c["function"]["arguments"], str):
+                    c["function"]["arguments"] = json.dumps(c["function"]["arguments"])
+    return Dataset.from_list(rows)
+
+
+def _template_fn(template=HF):
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    return dict(type=template_map_fn_factory, template=template)
+
+
+def test_packing_keeps_each_split_sample_whole_and_isolated(tokenizers):
+    from sfttool.dataset.pipeline import run_pipeline
+    tok = tokenizers["qwen3"]
+    rows = [QWEN3_ROW, PLAIN_ROW, QWEN3_ROW]
+    packed, report = run_pipeline(as_dataset(rows), tok, 2048, dataset_map_fn=openai_map_fn,
+                                  template_map_fn=_template_fn(), map_num_proc=1)
+    expected = [ids for row in rows for ids in encode_row(tok, row)["input_ids"]]
+    assert report.split == {3: 2, 2: 1}  # two conversations became 3 samples, one became 2
+    samples = []
+    for row in packed:
+        start = 0
+        for length in row["sample_lengths"]:
+            assert row["position_ids"][start:start + length] == list(range(length))  # isolated
+            samples.append(row["input_ids"][start:start + length])
+            start += length
+    assert sorted(samples) == sorted(expected)  # every sample whole, none lost
+
+
+def test_the_stream_splits_and_counts_as_the_pipeline_does(tokenizers):
+    from sfttool.dataset.report import PipelineReport
+    from sfttool.dataset.streaming import StreamingEncoder
+    tok = tokenizers["qwen3"]
+    encoder = StreamingEncoder(tok, 2048, dataset_map_fn=openai_map_fn, template_map_fn=_template_fn())
+    stats = PipelineReport()
+    samples = encoder([(0, QWEN3_ROW), (1, PLAIN_ROW)], None, stats)
+    assert [s["input_ids"] for s in samples] == (encode_row(tok, QWEN3_ROW)["input_ids"]
+                                                 + encode_row(tok, PLAIN_ROW)["input_ids"])
+    assert stats.split == {3: 1, 2: 1}
+
+
+def test_a_field_the_chat_template_ignores_is_counted(tokenizers):
+    from sfttool.dataset.pipeline import run_pipeline
+    reasoning = {"messages": [{"role": "user", "content": "Q"},
+                              {"role": "assistant", "content": "A", "reasoning_content": "R"}]}
+    _, report = run_pipeline(as_dataset([reasoning, PLAIN_ROW, reasoning]), tokenizers["qwen2.5"], 512,
+                             dataset_map_fn=openai_map_fn, template_map_fn=_template_fn(), map_num_proc=1)
+    note = "reasoning_content ignored by the tokenizer's chat template: not in the trained text"
+    assert report.changed == {note: 2} and report.change_examples[note] == ["row 0", "row 2"]
+    _, report = run_pipeline(as_dataset([QWEN25_ROW]), tokenizers["qwen2.5"], 2048,
+                             dataset_map_fn=openai_map_fn, template_map_fn=_template_fn("qwen_chat"), map_num_proc=1)
+    assert sorted(report.changed.values()) == [1, 1, 1]  # tools, tool calls, tool messages: template mode
+    assert all("ignored by the prompt template (use hf_chat_template)" in note for note in report.changed)
+
+
+def test_the_reasoning_settings_reach_the_encoder_from_the_template(tokenizers):
+    from sfttool.dataset.pipeline import run_pipeline
+    tok = tokenizers["qwen3"]
+    rows = as_dataset([QWEN3_ROW])
+    off, _ = run_pipeline(rows, tok, 2048, dataset_map_fn=openai_map_fn, pack_to_max_length=False,
+                          template_map_fn=_template_fn(dict(HF, TRAIN_ON_REASONING=False)), map_num_proc=1)
+    expected = encode_row(tok, QWEN3_ROW, train_on_reasoning=False)["labels"]
+    assert sorted(off["labels"]) == sorted(expected)

@@ -170,7 +170,7 @@ def test_stage_views_show_the_converted_conversation_whole(tmp_path, tiny_tokeni
     assert code == 0, out
     view = out.split("== after dataset_map_fn (row 0) ==\n")[1].split("\n\n")[0].splitlines()
     assert view[0] == f"source: {'x' * 1000!r}"[:608] + "... (1002 chars)"
-    assert view[-2:] == ["conversation:", f"  [0] {{'system': '', 'input': 'Say it\\n', 'output': {answer!r}, "
+    assert view[-2:] == ["conversation:", f"  [0] {{'system': '', 'tools': '', 'input': 'Say it\\n', 'messages': '', 'output': {answer!r}, "
                                           "'output_with_loss': True}"]
 
 

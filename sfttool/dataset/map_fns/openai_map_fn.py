@@ -7,7 +7,7 @@ from typing import Any
 
 from sfttool.registry import MAP_FUNC
 
-from sfttool.dataset.chat_messages import MessageError, is_structured, tool_turns
+from sfttool.dataset.chat_messages import MessageError, drop_nulls, is_structured, tool_turns
 from sfttool.dataset.conversation import turns_from_messages
 
 from ._fields import list_field, text_field
@@ -72,7 +72,9 @@ def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
 def row_tools_field(example: dict, fn: str) -> list[dict]:
     """The row's ``tools``: a list of schemas, or its JSON text (LLaMA-Factory writes it so)."""
     value: Any = example.get("tools")
-    if isinstance(value, str):
+    if not isinstance(value, str):
+        value = drop_nulls(value)
+    else:
         try:
             value = json.loads(value) if value.strip() else []
         except ValueError:
