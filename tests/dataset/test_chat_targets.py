@@ -291,3 +291,44 @@ def test_the_reasoning_settings_reach_the_encoder_from_the_template(tokenizers):
                           template_map_fn=_template_fn(dict(HF, TRAIN_ON_REASONING=False)), map_num_proc=1)
     expected = encode_row(tok, QWEN3_ROW, train_on_reasoning=False)["labels"]
     assert sorted(off["labels"]) == sorted(expected)
+
+
+# ---------------------------------------------------------------------------
+# LLaMA-Factory's ShareGPT tool format and MSAgent-Bench reach the template as the OpenAI form does.
+
+def test_sharegpt_function_call_rows_encode_as_the_openai_row(tokenizers):
+    from sfttool.dataset.map_fns import sharegpt_map_fn
+    tok = tokenizers["qwen2.5"]
+    sharegpt = {"tools": json.dumps([WEATHER["function"], TIME["function"]]), "conversations": [
+        {"from": "human", "value": "Weather in Oslo, and the time?"},
+        {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                                       {"name": "get_time", "arguments": {}}])},
+        {"from": "observation", "value": "12 C, rain"}, {"from": "observation", "value": "10:00"},
+        {"from": "gpt", "value": "Oslo: 12 C and rain at 10:00."}]}
+    openai = {"tools": [WEATHER, TIME], "messages": QWEN25_ROW["messages"][:5]}
+    ours = encode_batch({"conversation": [sharegpt_map_fn(sharegpt)["conversation"]]}, [0], tok, 4096,
+                        hf_chat_template=True)
+    assert ours["input_ids"] == encode_row(tok, openai)["input_ids"]
+    assert ours["labels"] == encode_row(tok, openai)["labels"]
+
+
+def test_msagent_rows_train_the_call_and_the_answer_not_the_result(tokenizers):
+    from sfttool.dataset.map_fns import msagent_map_fn
+    tok = tokenizers["qwen2.5"]
+    api = {"name": "weather", "description": "Weather of a city.",
+           "paths": [{"parameters": [{"name": "city", "description": "the city", "required": True}]}]}
+    row = {"conversations": str([
+        {"from": "system", "value": "You can use these APIs: " + json.dumps(api)},
+        {"from": "user", "value": "Weather in Oslo?"},
+        {"from": "assistant", "value": 'Let me check.<|startofthink|>```JSON\n{"api_name": "weather", '
+                                       '"parameters": {"city": "Oslo"}}\n```<|endofthink|>\n\n<|startofexec|>'
+                                       '```JSON\n{"temp": 12}\n```<|endofexec|>\nIt is 12 C in Oslo.'}])}
+    conversation = msagent_map_fn(row)["conversation"]
+    assert json.loads(conversation[0]["tools"])[0]["function"]["parameters"] == {
+        "type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+        "required": ["city"]}
+    out = encode_batch({"conversation": [conversation]}, [0], tok, 4096, hf_chat_template=True)
+    trained = tok.decode([t for t in out["labels"][0] if t != IGNORE])
+    assert trained == ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                       '<|im_end|>It is 12 C in Oslo.<|im_end|>')
+    assert '<tool_response>\n{"temp": 12}\n</tool_response>' in tok.decode(out["input_ids"][0])

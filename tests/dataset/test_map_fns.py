@@ -21,7 +21,7 @@ RAW_FORMAT_FNS = [
     "alpaca_map_fn", "alpaca_zh_map_fn", "oasst1_map_fn", "openai_map_fn", "wizardlm_map_fn", "code_alpaca_map_fn",
     "openorca_map_fn", "sql_map_fn", "medical_map_fn", "law_reference_map_fn", "crime_kg_assitant_map_fn",
     "arxiv_map_fn", "colors_map_fn", "stack_exchange_map_fn", "tiny_codes_map_fn", "default_map_fn",
-    "pretrain_map_fn", "sharegpt_map_fn",
+    "pretrain_map_fn", "sharegpt_map_fn", "msagent_map_fn",
 ]
 
 
