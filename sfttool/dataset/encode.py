@@ -242,7 +242,8 @@ def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, 
         raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
     _require_chat_template(tokenizer)
     specials = special_token_texts(tokenizer)
-    return [chat_template_samples(c, tokenizer, specials, chat_options, row) for c, row in zip(conversations, row_numbers)]
+    return [chat_template_samples(conversation, tokenizer, specials, chat_options, row)
+            for conversation, row in zip(conversations, row_numbers)]
 
 
 def _repeat(values: Sequence, counts: Sequence[int]) -> list:

@@ -84,7 +84,8 @@ def split_lines(report: PipelineReport) -> list[str]:
     answer is trained in the form the model produces it (``chat_targets``)."""
     if not report.split:
         return []
-    counts = ", ".join(f"{n} conversations became {samples} samples each" for samples, n in sorted(report.split.items()))
+    counts = ", ".join(f"{n} conversations became {samples} samples each"
+                       for samples, n in sorted(report.split.items()))
     return [f"{counts} (the chat template renders earlier answers differently once later turns follow, "
             "e.g. Qwen3 drops past reasoning; each sample trains the answers it holds as the model produces them)"]
 
