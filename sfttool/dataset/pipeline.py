@@ -147,12 +147,15 @@ def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: 
     column = _column(dataset, "conversation")
     if not pa.types.is_list(column.type) or not pa.types.is_struct(column.type.value_type):
         return
-    names = [f.name for f in column.type.value_type if f.name in ("messages", "tools")]
-    if not names:
+    fields = [f for f in column.type.value_type if f.name in ("messages", "tools")]
+    if not fields:
         return
     column = column.combine_chunks()
     turns = pc.list_flatten(column)
-    used = [pc.fill_null(pc.greater(pc.utf8_length(pc.struct_field(turns, name)), 0), False) for name in names]
+    # JSON text, or a list where standard-format files hold the objects themselves.
+    length = {True: pc.list_value_length, False: pc.utf8_length}
+    used = [pc.fill_null(pc.greater(length[pa.types.is_list(f.type)](pc.struct_field(turns, f.name)), 0), False)
+            for f in fields]
     mask = used[0] if len(used) == 1 else pc.or_(*used)
     rows = np.unique(pc.list_parent_indices(column).to_numpy()[mask.to_numpy(zero_copy_only=False)])
     if len(rows):

@@ -332,3 +332,21 @@ def test_msagent_rows_train_the_call_and_the_answer_not_the_result(tokenizers):
     assert trained == ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
                        '<|im_end|>It is 12 C in Oslo.<|im_end|>')
     assert '<tool_response>\n{"temp": 12}\n</tool_response>' in tok.decode(out["input_ids"][0])
+
+
+def test_kept_columns_follow_the_samples_of_their_row(tokenizers):
+    from sfttool.dataset.pipeline import run_pipeline
+    rows = as_dataset([QWEN3_ROW, PLAIN_ROW]).add_column("id", ["a", "b"])
+    out, _ = run_pipeline(rows, tokenizers["qwen3"], 2048, dataset_map_fn=openai_map_fn, map_num_proc=1,
+                          template_map_fn=_template_fn(), pack_to_max_length=False, remove_unused_columns=False)
+    assert out["id"] == ["a", "a", "a", "b", "b"]
+
+
+def test_standard_rows_may_hold_tools_and_messages_as_lists(tokenizers):
+    """A standard-format file written by hand: the lists themselves instead of their JSON text."""
+    tok = tokenizers["qwen2.5"]
+    conversation = [dict(turn, tools=json.loads(turn["tools"]) if turn.get("tools") else [],
+                         messages=json.loads(turn["messages"]))
+                    for turn in openai_map_fn(QWEN25_ROW)["conversation"]]
+    out = encode_batch({"conversation": [conversation]}, [0], tok, 4096, hf_chat_template=True)
+    assert out["input_ids"] == encode_row(tok, QWEN25_ROW)["input_ids"]
