@@ -41,7 +41,7 @@ from sfttool.dataset.chat_targets import chat_template_samples, render, template
 from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
-from sfttool.utils.templates import is_hf_chat_template
+from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not.
 UNTRAINED_MASKED = -1  # every answer has output_with_loss=False
@@ -275,8 +275,7 @@ def first_trained(labels: list[int], conversation: list[dict]) -> int:
     return UNTRAINED_EMPTY if any(flag(turn, "output_with_loss") for turn in conversation) else UNTRAINED_MASKED
 
 
-def encode_prompt(history: list[dict], tokenizer, template: Any = None,
-                  chat_options: dict | None = None) -> list[int]:
+def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[int]:
     """Ids a model continues from to answer the last turn of ``history``.
 
     ``history`` is standard turns whose last has no ``output``; ``template`` is a
@@ -297,7 +296,9 @@ def encode_prompt(history: list[dict], tokenizer, template: Any = None,
     if is_hf_chat_template(template):
         _require_chat_template(tokenizer)
         messages = to_messages(history, with_last_output=False)
-        text = render(tokenizer, messages, True, row_tools(history), **template_kwargs(messages, chat_options or {}))
+        # The template's own settings (ENABLE_THINKING), as training applied them.
+        options = chat_template_options(template)
+        text = render(tokenizer, messages, True, row_tools(history), **template_kwargs(messages, options))
         return batch_token_ids(tokenizer, [text])[0]
     if template is not None:
         from sfttool.dataset.map_fns import template_map_fn_factory

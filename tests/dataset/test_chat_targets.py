@@ -350,3 +350,17 @@ def test_standard_rows_may_hold_tools_and_messages_as_lists(tokenizers):
                     for turn in openai_map_fn(QWEN25_ROW)["conversation"]]
     out = encode_batch({"conversation": [conversation]}, [0], tok, 4096, hf_chat_template=True)
     assert out["input_ids"] == encode_row(tok, QWEN25_ROW)["input_ids"]
+
+
+def test_the_inference_prompt_follows_the_template_settings_as_training_did(tokenizers):
+    """chat and the evaluation hook prompt through encode_prompt: with ENABLE_THINKING=False the prompt
+    ends with Qwen3's empty think block, exactly where the trained answer starts."""
+    from sfttool.dataset.encode import encode_prompt
+    tok = tokenizers["qwen3"]
+    template = dict(HF, ENABLE_THINKING=False)
+    prompt = encode_prompt([{"input": "Hi"}], tok, template)
+    assert tok.decode(prompt) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    out = encode_row(tok, row, enable_thinking=False)
+    assert out["input_ids"][0][:len(prompt)] == prompt and out["labels"][0][len(prompt)] != IGNORE
+    assert tok.decode(encode_prompt([{"input": "Hi"}], tok, HF)).endswith("<|im_start|>assistant\n")
