@@ -145,8 +145,8 @@ def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: 
     import pyarrow as pa
     import pyarrow.compute as pc
     column = _column(dataset, "conversation")
-    struct = column.type.value_type if pa.types.is_list(column.type) else None
-    fields = [f for f in struct if f.name in ("messages", "tools")] if struct and pa.types.is_struct(struct) else []
+    struct = column.type.value_type if pa.types.is_list(column.type) else pa.null()
+    fields = [f for f in struct if f.name in ("messages", "tools")] if pa.types.is_struct(struct) else []
     if not fields:
         return
     column = column.combine_chunks()
