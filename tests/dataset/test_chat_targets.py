@@ -1,7 +1,8 @@
 """Reasoning and tool calls in HF chat-template mode, against the official chat templates of Qwen3
-(thinking), Qwen2.5 (tools) and Llama-3.1 (tools) (their jinja text in tests/assets/templates, with
-tiny tokenizers that have each family's special tokens): every trained answer equals what the model
-produces at inference, after exactly the prompt it sees there, and nothing else is trained."""
+(thinking), Qwen2.5 (tools) and Llama-3.1 (tools) (their jinja text in tests/assets/templates, as the
+models publish it and llama.cpp keeps it under models/templates/, with tiny tokenizers that have each
+family's special tokens): every trained answer equals what the model produces at inference, after
+exactly the prompt it sees there, and nothing else is trained."""
 from __future__ import annotations
 
 import json
