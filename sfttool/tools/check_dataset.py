@@ -266,9 +266,9 @@ def check_turn_ends(report, tokenizer, findings: Findings) -> None:
 def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     lengths = np.asarray(report.sample_lengths)
     echo("\n== statistics ==")
-    from sfttool.dataset.report import drop_lines
+    from sfttool.dataset.report import drop_lines, split_lines
     echo(f"rows in: {report.rows_in}   rows out: {report.rows_out}")
-    for line in drop_lines(report):
+    for line in split_lines(report) + drop_lines(report):
         echo(line)
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).round().astype(int)

@@ -237,6 +237,9 @@ def test_tool_calling_and_reasoning_rows_are_shown_and_counted(tmp_path):
     code, out = check(cfg)
     assert code == 0, out
     assert "== rows by kind ==\nplain: 1   reasoning: 1   tool calls: 1" in out
+    # Qwen3 writes the empty think block before the last answer only: the tool call and the answer after
+    # the tool's result are produced in forms no single render holds.
+    assert "rows in: 3   rows out: 2\n1 conversations became 2 samples each (the chat template renders" in out
     assert ("== a tool calls row (row 2), trained vs masked ==\n[MASKED:<|im_start|>user\nAdd 1.<|im_end|>\n"
             "<|im_start|>assistant\n]<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n"
             "</tool_call><|im_end|>[MASKED:\n]") in out
