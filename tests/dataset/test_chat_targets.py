@@ -63,10 +63,17 @@ LLAMA31_ROW = {"tools": [WEATHER], "messages": [
     {"role": "user", "content": "Thanks!"},
     {"role": "assistant", "content": "You are welcome."}]}
 
+# DeepSeek-R1 style: the reasoning inline in the content, which Qwen3's template reads as reasoning.
+QWEN3_INLINE_ROW = {"tools": [], "messages": [
+    {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4."},
+    {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nAdd again.\n</think>\n\n6."},
+    {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]}
+
 CASES = {  # template file, tokenizer family, end-of-turn token, row, samples the row becomes
     "qwen3": ("Qwen-Qwen3-0.6B.jinja", "qwen", "<|im_end|>", QWEN3_ROW, 3),
     "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen", "<|im_end|>", QWEN25_ROW, 1),
     "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3", "<|eot_id|>", LLAMA31_ROW, 1),
+    "qwen3 inline": ("Qwen-Qwen3-0.6B.jinja", "qwen", "<|im_end|>", QWEN3_INLINE_ROW, 3),
 }
 
 
@@ -75,7 +82,8 @@ def tokenizers(tmp_path_factory):
     from transformers import AutoTokenizer
     out = {}
     for name, (jinja, family, *_rest) in CASES.items():
-        folder = assets.build_chat_tokenizer(tmp_path_factory.mktemp(name), family, (TEMPLATES / jinja).read_text())
+        folder = assets.build_chat_tokenizer(tmp_path_factory.mktemp(name.replace(" ", "_")), family,
+                                             (TEMPLATES / jinja).read_text())
         out[name] = AutoTokenizer.from_pretrained(folder)
     return out
 
