@@ -78,6 +78,40 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike, with_bos: bool = False, vo
     return save_dir
 
 
+# The special tokens of the model families whose official chat templates the tests render (their texts,
+# not their ids): (special, added but not special, BOS, EOS).
+CHAT_FAMILIES = {
+    "qwen": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+             ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+             None, "<|im_end|>"),
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|eom_id|>", "<|python_tag|>"], [], "<|begin_of_text|>", "<|eot_id|>"),
+}
+
+
+def build_chat_tokenizer(save_dir: str | os.PathLike, family: str, chat_template: str, vocab_size: int = 600) -> Path:
+    """A tiny byte-level BPE tokenizer with a model family's special and added tokens (``CHAT_FAMILIES``)
+    and the given jinja chat template (e.g. Qwen3's official one), saved to ``save_dir``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, added, bos, eos = CHAT_FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0],
+                                   extra_special_tokens=[t for t in specials if t not in (bos, eos, specials[0])])
+    fast.chat_template = chat_template
+    save_dir = Path(save_dir)
+    fast.save_pretrained(save_dir)
+    return save_dir
+
+
 def build_tiny_model(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, arch: str = "llama",
                      hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
     """Save a random-initialised tiny ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``

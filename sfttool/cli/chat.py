@@ -30,12 +30,14 @@ from sfttool.cli.errors import user_errors
 @click.option("--no-streamer", is_flag=True, help="Print each answer when it is complete.")
 @click.option("--prompt", "prompts", multiple=True,
               help="Answer this prompt and exit (repeat for a multi-turn conversation).")
+@click.option("--tools", "tools_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A JSON list of tool schemas, rendered by the model's chat template as in training.")
 @click.option("--trust-remote-code", is_flag=True, default=False,
               help="Allow MODEL's repository to run its own Python code (off by default).")
 @user_errors
 def chat(model, adapter, prompt_template, hf_template, system, system_template, bits, max_new_tokens,
          temperature, top_p, top_k, repetition_penalty, stop_words, no_streamer, prompts,
-         trust_remote_code) -> None:
+         trust_remote_code, tools_file) -> None:
     """Chat with MODEL (an HF folder or hub name), optionally with an adapter.
 
     Prompts are rendered exactly as in training. Without --prompt-template or
@@ -54,7 +56,8 @@ def chat(model, adapter, prompt_template, hf_template, system, system_template, 
     template, source = tool.resolve_template(tokenizer, prompt_template, hf_template, folders)
     click.echo(f"Prompt template: {source}", err=True)
     settings = tool.GenerationSettings(max_new_tokens, temperature, top_p, top_k, repetition_penalty)
-    session = tool.ChatSession(llm, tokenizer, template, system_text, stop_words, settings)
+    tools = tool.load_tools(tools_file, template) if tools_file else None
+    session = tool.ChatSession(llm, tokenizer, template, system_text, stop_words, settings, tools=tools)
     out = click.get_text_stream("stdout")
     if prompts:
         tool.run_prompts(session, prompts, out, stream=not no_streamer)

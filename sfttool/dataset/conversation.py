@@ -3,7 +3,12 @@ to chat messages, and the conversion of role-tagged message lists into it.
 
 A standard row is ``{"conversation": [turn, ...]}``; a turn has ``input``
 (the user's text), ``output`` (the answer), ``system`` (first turn only) and
-the optional flags ``output_with_loss`` / ``need_eos_token``::
+the optional flags ``output_with_loss`` / ``need_eos_token``. Tool calling and
+reasoning travel in two more keys, JSON text (``""`` when unused): ``tools``
+(first turn only: the row's tool schemas) and ``messages`` (the turn's chat
+messages as the chat template sees them, ending with the answer, when the turn
+holds more than one question and one plain answer: tool results, reasoning,
+tool calls)::
 
     >>> check_conversation([{'system': 'S', 'input': 'Q', 'output': 'A'}])
     [{'system': 'S', 'input': 'Q', 'output': 'A'}]
@@ -15,11 +20,12 @@ the optional flags ``output_with_loss`` / ``need_eos_token``::
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sfttool.dataset.errors import DatasetError, where
 
-TURN_KEYS = ("system", "input", "output", "output_with_loss", "need_eos_token", "sep")
+TURN_KEYS = ("system", "tools", "input", "messages", "output", "output_with_loss", "need_eos_token", "sep")
 JOIN = "\n\n"  # between consecutive messages of one role, joined into one
 
 # What converting a message list changed, reported per row (never silently).
@@ -70,25 +76,51 @@ def _check_turn(turn: Any, i: int, row: int | None, source: str | None, need_out
     if need_output:
         check_text(turn.get("output"), f"{field}.output", row, source, allow_none=False)
     check_text(turn.get("system"), f"{field}.system", row, source, allow_none=True)
+    for name in ("tools", "messages"):
+        _check_json_list(turn.get(name), f"{field}.{name}", row, source)
     for name in ("output_with_loss", "need_eos_token"):
         value = turn.get(name)
         if value is not None and not isinstance(value, bool) and value not in (0, 1):
             # bool("false") is True: a quoted flag would silently train what it meant to mask.
             raise DatasetError(f"{where(row, source, f'{field}.{name}')}: expected true or false, got {value!r}")
-    if i > 0 and turn.get("system"):
-        raise DatasetError(f"{where(row, source, field + '.system')}: `system` is only allowed on the "
-                           "first turn; move it to conversation[0]")
+    for name in ("system", "tools"):
+        if i > 0 and turn.get(name):
+            raise DatasetError(f"{where(row, source, f'{field}.{name}')}: `{name}` is only allowed on the "
+                               "first turn; move it to conversation[0]")
+
+
+def _check_json_list(value: Any, field: str, row: int | None, source: str | None) -> None:
+    """``tools`` / ``messages``: a list of objects, or that list as JSON text ("" or None: none)."""
+    try:
+        json_list(value)
+    except (ValueError, TypeError) as exc:
+        raise DatasetError(f"{where(row, source, field)}: expected a list of objects or its JSON text ({exc}); "
+                           "fix the data or the dataset_map_fn") from None
+
+
+def json_list(value: Any) -> list[dict]:
+    """A ``tools`` / ``messages`` turn value as a list of dicts (``""``/None: ``[]``).
+
+    >>> json_list('[{"role": "tool", "content": "42"}]')
+    [{'role': 'tool', 'content': '42'}]
+    """
+    if value is None or value == "":
+        return []
+    items = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise TypeError(f"got {type(items).__name__}")
+    return items
 
 
 # What a turn means without each key a map fn may leave out ("system": none; "output_with_loss": trained).
-ABSENT = {"system": "", "input": "", "output": None, "output_with_loss": True}
+ABSENT = {"system": "", "tools": "", "input": "", "messages": "", "output": None, "output_with_loss": True}
 
 
 def with_every_key(conversation: Any) -> Any:
     """Turns with every key of ``ABSENT`` (missing ones filled with what their absence means), in one order.
 
     >>> with_every_key([{'input': 'Q', 'output': 'A'}])
-    [{'system': '', 'input': 'Q', 'output': 'A', 'output_with_loss': True}]
+    [{'system': '', 'tools': '', 'input': 'Q', 'messages': '', 'output': 'A', 'output_with_loss': True}]
 
     Arrow gives a column one struct type, decided by the first rows a ``map`` writes: a map fn that sets
     ``system`` only on rows that have one would otherwise fail on the first such row after them.
@@ -105,8 +137,8 @@ def check_turn_keys(conversation: list[dict], row: int | None, source: str | Non
         unknown = sorted(k for k, v in turn.items() if k not in TURN_KEYS and v is not None)
         if unknown:
             raise DatasetError(f"{where(row, source, f'conversation[{i}]')}: unknown keys {', '.join(unknown)}; "
-                               "a turn has system (first turn only), input, output and optionally "
-                               "output_with_loss")
+                               "a turn has system and tools (first turn only), input, messages, output "
+                               "and optionally output_with_loss")
 
 
 def flag(turn: dict, key: str) -> bool:
@@ -124,11 +156,21 @@ def to_messages(conversation: list[dict], with_last_output: bool = True) -> list
     for i, turn in enumerate(conversation):
         if i == 0 and turn.get("system"):
             messages.append({"role": "system", "content": turn["system"]})
+        if turn.get("messages"):  # the turn's own messages: tool results, reasoning, tool calls
+            own = json_list(turn["messages"])
+            last = i == len(conversation) - 1
+            messages += own if with_last_output or not last else [m for m in own if m.get("role") != "assistant"]
+            continue
         if turn.get("input") or (with_last_output is False and i == len(conversation) - 1):
             messages.append({"role": "user", "content": turn.get("input") or ""})
         if with_last_output or i < len(conversation) - 1:
             messages.append({"role": "assistant", "content": turn["output"]})
     return messages
+
+
+def row_tools(conversation: list[dict]) -> list[dict]:
+    """The row's tool schemas (the first turn's ``tools``), for the chat template's ``tools=``."""
+    return json_list(conversation[0].get("tools")) if conversation else []
 
 
 # ---------------------------------------------------------------------------

@@ -12,10 +12,11 @@ in one fast-tokenizer call; the pieces are then concatenated.
   ``need_eos_token`` (labelled like the output), sep (masked).
 * **HF chat-template mode** (``PROMPT_TEMPLATE.hf_chat_template``): the
   conversation is rendered with the tokenizer's own jinja ``chat_template``
-  and tokenized whole, so the ids are exactly ``apply_chat_template``'s; the
-  mask comes from rendering prefixes: the characters an assistant turn adds,
-  up to and including its first special (end-of-turn) token, are trained,
-  and so is every token that overlaps them.
+  and tokenized whole, so the ids are exactly ``apply_chat_template``'s; each
+  answer is trained in the form the model produces it at inference (what the
+  render ending with it adds to the render of its prompt, through its
+  end-of-turn token), and a conversation whose later renders change earlier
+  answers (Qwen3's reasoning) becomes several samples (``chat_targets``).
 
 Deliberate differences from XTuner 0.2:
 
@@ -34,12 +35,13 @@ Deliberate differences from XTuner 0.2:
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from sfttool.dataset.conversation import check_conversation, flag, to_messages
+from sfttool.dataset.chat_targets import chat_template_samples, render, template_kwargs
+from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
-from sfttool.utils.templates import is_hf_chat_template
+from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not.
 UNTRAINED_MASKED = -1  # every answer has output_with_loss=False
@@ -87,16 +89,7 @@ def template_pieces(conversation: list[dict], input_ids_with_output: bool = True
 
 
 # ---------------------------------------------------------------------------
-# HF chat-template mode: render prefixes to find each answer's span.
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, row: int | None = None) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja raises its own types (e.g. "System role not supported")
-        raise DatasetError(f"{where(row)}: the tokenizer's chat_template failed: {type(exc).__name__}: {exc}; "
-                           "fix the conversation (e.g. drop the system prompt) or use a built-in "
-                           "PROMPT_TEMPLATE") from None
-
+# HF chat-template mode (``chat_targets``): the special tokens that end a turn.
 
 def special_token_texts(tokenizer) -> list[str]:
     """Texts of the special tokens (EOS, end-of-turn markers, ...), longest first."""
@@ -107,74 +100,10 @@ def special_token_texts(tokenizer) -> list[str]:
     return sorted((t for t in texts if t), key=len, reverse=True)
 
 
-def _trained_end(text: str, start: int, end: int, content: str, specials: list[str]) -> int:
-    """End of the trained span of an assistant turn rendered in ``text[start:end]``:
-    through the first special token after the content, else the whole turn."""
-    anchor = text.find(content.strip(), start, end) if content.strip() else -1
-    search_from = anchor + len(content.strip()) if anchor >= 0 else start
-    hits = [(pos, -len(s)) for s in specials if (pos := text.find(s, search_from, end)) >= 0]
-    if not hits:
-        return end
-    pos, minus_length = min(hits)  # the earliest; at one position, the longest token
-    return pos - minus_length
-
-
-def _unstable(row: int | None) -> DatasetError:
-    return DatasetError(
-        f"{where(row)}: the tokenizer's chat_template renders earlier turns differently once later turns "
-        "are added (e.g. it moves the system prompt to the last user message, or strips reasoning from "
-        "past answers), so answer spans cannot be found by rendering prefixes; use a built-in "
-        "PROMPT_TEMPLATE for this model, or a single-turn row")
-
-
-def chat_template_spans(conversation: list[dict], tokenizer, row: int | None = None,
-                        specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """A conversation rendered by ``tokenizer.chat_template``, and the character
-    spans of ``text`` to train (each answer through its end-of-turn token).
-
-    ChatML, ``[{'input': 'Q', 'output': 'A'}]`` ->
-    ``('<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nA<|im_end|>\\n', [(44, 54)])``
-
-    An answer starts where the rendered prompt before it (with the generation
-    prompt) ends; it ends where the rendering up to it stops agreeing with the
-    whole conversation, so a template that closes a finished chat with EOS
-    (Phi-3) still works.
-    """
-    _require_chat_template(tokenizer)
-    specials = special_token_texts(tokenizer) if specials is None else specials
-    messages = to_messages(conversation)
-    full = _render(tokenizer, messages, False, row)
-    spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:k], True, row)
-        start = len(prompt)
-        end = _common_prefix_length(_render(tokenizer, messages[:k + 1], False, row), full)
-        content = message["content"].strip()
-        if not full.startswith(prompt) or end < start or (content and full.find(content, start, end) < 0):
-            raise _unstable(row)
-        if flag(conversation[_turn_of(messages, k)], "output_with_loss"):
-            spans.append((start, _trained_end(full, start, end, message["content"], specials)))
-    return full, spans
-
-
 def _require_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
                            "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
-def _turn_of(messages: list[dict], k: int) -> int:
-    """Index of the standard turn that message ``k`` (an assistant message) belongs to."""
-    return sum(1 for m in messages[:k] if m["role"] == "assistant")
 
 
 # ---------------------------------------------------------------------------
@@ -265,41 +194,60 @@ def pieces_text(pieces: list[Piece], tokenizer) -> str:
 
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                  input_ids_with_output: bool = True, hf_chat_template: bool = False,
-                 source: str | None = None) -> dict[str, list]:
-    """Batched ``datasets.map`` function: conversations -> ids, labels and counts.
+                 source: str | None = None, chat_options: dict | None = None,
+                 carry: Sequence[str] = ()) -> dict[str, list]:
+    """Batched ``datasets.map`` function: conversations -> samples of ids, labels and counts.
 
     >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
     ...              [0], tok, 8)   # doctest: +SKIP
     {'input_ids': [[bos, q, a, eos]], 'labels': [[-100, -100, a, eos]], 'length': [4],
-     'num_tokens': [4], 'num_trained': [2], 'first_trained': [2]}
+     'num_tokens': [4], 'num_trained': [2], 'first_trained': [2], '_sfttool_row': [0]}
 
     ``num_tokens`` is the length before right truncation at ``max_length``
     (``length``: after it), ``num_trained`` the tokens with a label, ``first_trained``
     the prompt's length (see ``first_trained``), which explains a row left without labels.
+    A conversation is one sample, except in HF chat-template mode where a template that renders
+    earlier turns differently later splits it (``chat_targets``); ``ROW_COLUMN`` names each sample's
+    row, and the ``carry`` columns are repeated for each sample of their row.
     """
-    specials = special_token_texts(tokenizer) if hf_chat_template else None
-    rows = []
-    row_numbers = batch[ROW_COLUMN] if ROW_COLUMN in batch else indices  # rows as loaded, when numbered
+    row_numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
     for conversation, row in zip(batch["conversation"], row_numbers):
         check_conversation(conversation, row, source, need_output=input_ids_with_output)
         if len(conversation) > 1 and not input_ids_with_output:
             raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "
                                "single-turn conversations")
-        if hf_chat_template:
-            if not input_ids_with_output:
-                raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
-            rows.append(chat_template_spans(conversation, tokenizer, row=row, specials=specials))
-        else:
-            rows.append(template_pieces(conversation, input_ids_with_output))
     if hf_chat_template:
+        samples_of = _chat_template_rows(batch["conversation"], row_numbers, tokenizer, input_ids_with_output,
+                                         chat_options)
         # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
         # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
-        encoded = batch_token_ids(tokenizer, [text for text, _ in rows], with_offsets=True)
+        samples = [sample for samples in samples_of for sample in samples]
+        encoded = batch_token_ids(tokenizer, [text for text, _ in samples], with_offsets=True)
         rows_ids = [(ids, labels_from_spans(ids, offsets, spans))
-                    for (ids, offsets), (_, spans) in zip(encoded, rows)]
+                    for (ids, offsets), (_, spans) in zip(encoded, samples)]
+        counts = [len(samples) for samples in samples_of]
     else:
-        rows_ids = tokenize_pieces(rows, tokenizer)
-    return _truncated_columns(rows_ids, batch["conversation"], max_length)
+        pieces = [template_pieces(c, input_ids_with_output) for c in batch["conversation"]]
+        rows_ids, counts = tokenize_pieces(pieces, tokenizer), [1] * len(pieces)
+    out = _truncated_columns(rows_ids, _repeat(batch["conversation"], counts), max_length)
+    out[ROW_COLUMN] = _repeat(row_numbers, counts)
+    if len(rows_ids) != len(row_numbers):  # datasets needs every kept column at the new length
+        out.update({name: _repeat(batch[name], counts) for name in carry if name != ROW_COLUMN})
+    return out
+
+
+def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, input_ids_with_output: bool,
+                        chat_options: dict | None) -> list[list[tuple[str, list[tuple[int, int]]]]]:
+    if not input_ids_with_output:
+        raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
+    _require_chat_template(tokenizer)
+    specials = special_token_texts(tokenizer)
+    return [chat_template_samples(conversation, tokenizer, specials, chat_options, row)
+            for conversation, row in zip(conversations, row_numbers)]
+
+
+def _repeat(values: Sequence, counts: Sequence[int]) -> list:
+    return [value for value, count in zip(values, counts) for _ in range(count)]
 
 
 def _truncated_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list[list[dict]],
@@ -347,7 +295,10 @@ def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[
     check_conversation(history)
     if is_hf_chat_template(template):
         _require_chat_template(tokenizer)
-        text = _render(tokenizer, to_messages(history, with_last_output=False), True)
+        messages = to_messages(history, with_last_output=False)
+        # The template's own settings (ENABLE_THINKING), as training applied them.
+        options = chat_template_options(template)
+        text = render(tokenizer, messages, True, row_tools(history), **template_kwargs(messages, options))
         return batch_token_ids(tokenizer, [text])[0]
     if template is not None:
         from sfttool.dataset.map_fns import template_map_fn_factory

@@ -22,11 +22,12 @@ import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
-from sfttool.dataset.report import DROP_SUBSET, PipelineReport, log, log_report  # noqa: F401  (imported from here)
+from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
+                                   log_report)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
-from sfttool.dataset.stages import (NOTES_COLUMN, count_notes, drop_empty_rows, drop_untrained_rows, fn_name,
-                                    map_batch, missing_conversation)
+from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, drop_empty_rows,
+                                    drop_untrained_rows, fn_name, map_batch, missing_conversation)
 from sfttool.registry import build_if_config
 
 
@@ -115,19 +116,51 @@ def _column(dataset, name: str):
     return dataset.select_columns([name]).with_format("arrow")[:][name]
 
 
-def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, hf_chat_template: bool,
-           remove_unused_columns: bool, num_proc: int, source: str | None):
+def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, template, remove_unused_columns: bool,
+           num_proc: int, source: str | None, report: PipelineReport):
+    """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``)."""
     from sfttool.dataset.encode import encode_batch
+    from sfttool.utils.templates import chat_template_options, is_hf_chat_template
+    hf_chat_template = is_hf_chat_template(template)
+    count_structured_fields(dataset, tokenizer, hf_chat_template, report)
     remove = dataset.column_names if remove_unused_columns else ["conversation"]
     remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"
     settings = dict(max_length=max_length, source=source, input_ids_with_output=input_ids_with_output,
-                    hf_chat_template=hf_chat_template)
+                    hf_chat_template=hf_chat_template, chat_options=chat_template_options(template),
+                    carry=[name for name in dataset.column_names if name not in remove])
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove)
-    return dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
-                       features=_encoded_features(dataset, remove), new_fingerprint=fingerprint,
-                       fn_kwargs=dict(tokenizer=tokenizer, **settings), desc=f"Tokenizing ({mode} mode)")
+    dataset = dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
+                          features=_encoded_features(dataset, remove), new_fingerprint=fingerprint,
+                          fn_kwargs=dict(tokenizer=tokenizer, **settings), desc=f"Tokenizing ({mode} mode)")
+    if hf_chat_template:
+        count_split(report, _row_numbers(dataset))
+    return dataset
+
+
+def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: PipelineReport) -> None:
+    """Rows whose reasoning, tool calls or tool schemas the template leaves out, counted by field. Only rows
+    with ``messages`` or ``tools`` (found in Arrow) pass through Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    column = _column(dataset, "conversation")
+    struct = column.type.value_type if pa.types.is_list(column.type) else pa.null()
+    fields = [f for f in struct if f.name in ("messages", "tools")] if pa.types.is_struct(struct) else []
+    if not fields:
+        return
+    column = column.combine_chunks()
+    turns = pc.list_flatten(column)
+    # JSON text, or a list where standard-format files hold the objects themselves.
+    length = {True: pc.list_value_length, False: pc.utf8_length}
+    used = [pc.fill_null(pc.greater(length[pa.types.is_list(f.type)](pc.struct_field(turns, f.name)), 0), False)
+            for f in fields]
+    mask = used[0] if len(used) == 1 else pc.or_(*used)
+    rows = np.unique(pc.list_parent_indices(column).to_numpy()[mask.to_numpy(zero_copy_only=False)])
+    if len(rows):
+        subset = dataset.select(rows)
+        count_ignored_fields(report, subset["conversation"], _row_numbers(subset).tolist(), tokenizer,
+                             hf_chat_template)
 
 
 def _encoded_features(dataset, removed: list[str]):
@@ -261,12 +294,11 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)
     if do_dataset_tokenization:
-        from sfttool.utils.templates import is_hf_chat_template
         require_conversation(dataset, map_fn, source)
         dataset = require_rows(drop_empty(dataset, report), report)
         remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
-        dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, is_hf_chat_template(template),
-                         remove, num_proc, source)
+        dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove, num_proc,
+                         source, report)
         count_truncated(dataset, report)
         if input_ids_with_output:
             dataset = require_rows(drop_untrained(dataset, report, max_length), report)

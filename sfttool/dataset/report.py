@@ -42,6 +42,7 @@ class PipelineReport:
     samples: int = 0  # samples kept (stream)
     rows_out: int = 0
     stages: dict[str, Any] = field(default_factory=dict)
+    split: dict[int, int] = field(default_factory=dict)  # samples a conversation became (> 1) -> conversations
 
     def drop(self, reason: str, rows: list[str], count: int | None = None) -> None:
         """Count ``count`` (default: ``len(rows)``) dropped rows; keep the first rows' names."""
@@ -78,6 +79,25 @@ def _named(rows: list[str] | None, count: int) -> str:
     return f" ({examples(rows, count)})" if rows else ""
 
 
+def split_lines(report: PipelineReport) -> list[str]:
+    """``2 conversations became 3 samples each (...)``: HF chat-template conversations split so that every
+    answer is trained in the form the model produces it (``chat_targets``)."""
+    if not report.split:
+        return []
+    counts = ", ".join(f"{n} conversations became {samples} samples each"
+                       for samples, n in sorted(report.split.items()))
+    return [f"{counts} (the chat template renders earlier answers differently once later turns follow, "
+            "e.g. Qwen3 drops past reasoning; each sample trains the answers it holds as the model produces them)"]
+
+
+def count_split(report: PipelineReport, rows_of_samples) -> None:
+    """Count conversations by the samples they became, from each sample's row number (in order)."""
+    import numpy as np
+    _, samples = np.unique(np.asarray(rows_of_samples), return_counts=True)
+    for many, n in zip(*np.unique(samples[samples > 1], return_counts=True)):
+        report.split[int(many)] = report.split.get(int(many), 0) + int(n)
+
+
 def warning_lines(report: PipelineReport, max_length: int) -> list[str]:
     """What both pipelines warn about: rows changed, rows dropped, samples cut."""
     lines = change_lines(report) + drop_lines(report)
@@ -90,6 +110,8 @@ def warning_lines(report: PipelineReport, max_length: int) -> list[str]:
 def log_report(report: PipelineReport, max_length: int) -> None:
     """The map-style pipeline's summary."""
     log(f"Dataset: {report.rows_in} rows in, {report.rows_out} rows out")
+    for line in split_lines(report):
+        log(f"Dataset: {line}")
     for line in warning_lines(report, max_length):
         log(f"Dataset: {line}", logging.WARNING)
     if report.tokens:

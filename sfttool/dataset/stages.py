@@ -5,7 +5,7 @@ columns it produced) and by the stream (called on each chunk of rows it reads).
     map fn -> template -> (drop empty) -> encode (``encode.encode_batch``) -> drop untrained -> pack (``pack``)
 
     >>> map_batch({'instruction': ['Add.'], 'input': ['1 2'], 'output': ['3']}, [0], alpaca_map_fn)['conversation']
-    [[{'system': '', 'input': 'Add.\\n1 2', 'output': '3', 'output_with_loss': True}]]
+    [[{'system': '', 'tools': '', 'input': 'Add.\\n1 2', 'messages': '', 'output': '3', 'output_with_loss': True}]]
 
 Each stage reports by cause what it dropped or changed, naming the rows
 (``PipelineReport.drop`` / ``change``).
@@ -177,3 +177,36 @@ def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], firs
     for cause, rows in causes.items():
         report.drop(cause, rows)
     return [bool(t) for t in num_trained]
+
+
+# ---------------------------------------------------------------------------
+# Fields the template leaves out of the text: counted, never silent.
+
+STRUCTURED_FIELDS = ("reasoning_content", "tool_calls", "tool messages", "tools")
+
+
+def ignored_field_notes(conversations: Sequence[Any], row_numbers: Sequence[int], tokenizer,
+                        hf_chat_template: bool) -> dict[str, list[str]]:
+    """``{note: rows}`` for rows with a field (reasoning, tool calls, tool results, tool schemas) that the
+    template does not render: the tokenizer's chat template (probed, ``chat_targets.ignored_fields``), or a
+    prompt template (which renders only the plain text of each turn)."""
+    from sfttool.dataset.chat_targets import fields_of, ignored_fields
+    ignored = set(ignored_fields(tokenizer) if hf_chat_template else STRUCTURED_FIELDS)
+    notes: dict[str, list[str]] = {}
+    if not ignored:
+        return notes
+    which = "the tokenizer's chat template" if hf_chat_template else "the prompt template (use hf_chat_template)"
+    for conversation, number in zip(conversations, row_numbers):
+        try:
+            found = fields_of(conversation) & ignored
+        except (DatasetError, ValueError, TypeError, AttributeError, KeyError):
+            continue  # a malformed row: the encoder names it
+        for name in sorted(found):
+            notes.setdefault(f"{name} ignored by {which}: not in the trained text", []).append(row_name(number))
+    return notes
+
+
+def count_ignored_fields(report: PipelineReport, conversations: Sequence[Any], row_numbers: Sequence[int],
+                         tokenizer, hf_chat_template: bool) -> None:
+    for note, rows in ignored_field_notes(conversations, row_numbers, tokenizer, hf_chat_template).items():
+        report.change(note, rows)

@@ -26,14 +26,14 @@ import torch
 
 from sfttool.dataset.conversation import check_conversation, is_empty
 from sfttool.dataset.encode import encode_batch
-from sfttool.dataset.errors import DatasetError, check_positive_int, where
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 # concat_samples and pack_buffer are imported from here too (benchmarks).
 from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_stream, single_sample_row  # noqa: F401
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
-from sfttool.dataset.report import PipelineReport, log, warning_lines
+from sfttool.dataset.report import PipelineReport, count_split, log, split_lines, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
-from sfttool.dataset.stages import (check_dicts, count_notes, drop_empty_rows, drop_untrained_rows, map_rows,
-                                    missing_conversation)
+from sfttool.dataset.stages import (check_dicts, count_ignored_fields, count_notes, drop_empty_rows,
+                                    drop_untrained_rows, map_rows, missing_conversation)
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -103,6 +103,8 @@ def log_pass(stats: PipelineReport, epoch: int, reader: tuple[int, int, int, int
     who = f"Stream epoch {epoch}" + (f" ({name})" if name else "")
     log(f"{who}: {stats.rows_in} rows in, {stats.samples} samples in {stats.rows_out} rows out, "
         f"{stats.tokens} tokens")
+    for line in split_lines(stats):
+        log(f"{who}: {line}")
     for line in warning_lines(stats, max_length):
         log(f"{who}: {line}", logging.WARNING)
 
@@ -115,12 +117,13 @@ class StreamingEncoder:
     def __init__(self, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
                  template_map_fn: Any = None, input_ids_with_output: bool = True):
         from sfttool.dataset.resolve import resolve_map_fn, resolve_template_map_fn, template_of
-        from sfttool.utils.templates import is_hf_chat_template
+        from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
         self.tokenizer = build_if_config(tokenizer, "tokenizer")
         self.max_length = max_length
         self.dataset_map_fn = resolve_map_fn(dataset_map_fn)
         self.hf_chat_template = is_hf_chat_template(template_of(template_map_fn))
+        self.chat_options = chat_template_options(template_of(template_map_fn))
         self.template_map_fn = None if self.hf_chat_template else resolve_template_map_fn(template_map_fn)
         self.input_ids_with_output = input_ids_with_output
 
@@ -150,9 +153,13 @@ class StreamingEncoder:
         numbers = [n for n, k in zip(numbers, keep) if k]
         if not numbers:
             return []
-        out = encode_batch({"conversation": [c for c, k in zip(conversations, keep) if k]}, numbers,
-                           self.tokenizer, self.max_length, self.input_ids_with_output, self.hf_chat_template,
-                           source)
+        kept = [c for c, k in zip(conversations, keep) if k]
+        count_ignored_fields(stats, kept, numbers, self.tokenizer, self.hf_chat_template)
+        out = encode_batch({"conversation": kept}, numbers, self.tokenizer, self.max_length,
+                           self.input_ids_with_output, self.hf_chat_template, source, self.chat_options)
+        numbers = out[ROW_COLUMN]  # one per sample: a conversation may become several (chat_targets)
+        if self.hf_chat_template:
+            count_split(stats, numbers)
         for full, kept in zip(out["num_tokens"], out["length"]):
             if full > kept:
                 stats.truncated += 1

@@ -13,6 +13,7 @@ exactly as a training row would hold it.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -224,9 +225,11 @@ class ChatSession:
     """Multi-turn chat: the history is standard turns (the system prompt on the first)."""
 
     def __init__(self, model, tokenizer, template: Mapping, system: str = "",
-                 stop_words: Iterable[str] = (), settings: GenerationSettings | None = None):
+                 stop_words: Iterable[str] = (), settings: GenerationSettings | None = None,
+                 tools: list[dict] | None = None):
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.system = system
+        self.tools = list(tools or [])  # tool schemas, on the first turn as training rows hold them
         self.stop_words = stop_words_for(template, tokenizer, model, stop_words)
         self.settings = settings or GenerationSettings()
         self.history: list[dict] = []
@@ -238,10 +241,15 @@ class ChatSession:
         """Ids of the history plus a new user turn, ready for the answer."""
         from sfttool.dataset.encode import encode_prompt
 
-        turn = {"input": text}
+        return encode_prompt(self.history + [self._opening({"input": text})], self.tokenizer, self.template)
+
+    def _opening(self, turn: dict) -> dict:
+        """The first turn carries the system prompt and the tools."""
         if not self.history and self.system:
             turn["system"] = self.system
-        return encode_prompt(self.history + [turn], self.tokenizer, self.template)
+        if not self.history and self.tools:
+            turn["tools"] = json.dumps(self.tools, ensure_ascii=False)
+        return turn
 
     def ask(self, text: str, out: TextIO | None = None) -> str:
         """Answer ``text`` (streamed to ``out`` when given), remember the turn, return the answer."""
@@ -258,11 +266,42 @@ class ChatSession:
                 **self.settings.generation_kwargs())
         generated = self.tokenizer.decode(output[0, len(ids):], skip_special_tokens=False)
         answer = cut_at_stop_words(generated, self.stop_words)
-        turn = {"input": text, "output": answer}
-        if not self.history and self.system:
-            turn["system"] = self.system
-        self.history.append(turn)
+        self.history.append(self._opening({"input": text, "output": answer}))
         return answer
+
+
+def load_tools(path: str | os.PathLike, template: Mapping) -> list[dict]:
+    """``--tools FILE.json``: a list of tool schemas (bare function schemas are wrapped as
+    ``{"type": "function", "function": ...}``), rendered by the model's chat template as in training."""
+    from sfttool.utils.templates import is_hf_chat_template
+    if not is_hf_chat_template(template):
+        raise ChatError("--tools needs the model's own chat template (--hf-template, or a run trained with "
+                        "hf_chat_template): prompt templates have no place for tools")
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ChatError(f"{path}: cannot read the tools: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ChatError(f"{path}: expected a JSON list of tool schemas, got {type(tools).__name__}")
+    return [t if "function" in t or "type" in t else {"type": "function", "function": t} for t in tools]
+
+
+def split_reasoning(answer: str) -> tuple[str, str]:
+    """``(reasoning, answer)`` of a reply that thinks first (``<think>...</think>``), else ``('', answer)``.
+
+    >>> split_reasoning('<think>\nOne and one.\n</think>\n\n2.')
+    ('One and one.', '2.')
+    """
+    if "</think>" not in answer:
+        return "", answer
+    reasoning, _, rest = answer.partition("</think>")
+    return reasoning.replace("<think>", "").strip(), rest.lstrip("\n")
+
+
+def shown(answer: str) -> str:
+    """An answer as printed when not streamed: the reasoning apart, before it."""
+    reasoning, text = split_reasoning(answer)
+    return f"[reasoning]\n{reasoning}\n[answer]\n{text}" if reasoning else text
 
 
 def _pad_id(tokenizer) -> int | None:
@@ -292,7 +331,7 @@ def run_prompts(session: ChatSession, prompts: Iterable[str], out: TextIO = sys.
             continue
         answer = session.ask(prompt, out if stream else None)
         if not stream:
-            out.write(answer + "\n")
+            out.write(shown(answer) + "\n")
         answers.append(answer)
     return answers
 
@@ -314,4 +353,4 @@ def run_interactive(session: ChatSession, out: TextIO = sys.stdout, stream: bool
         if prompt.strip():
             answer = session.ask(prompt, out if stream else None)
             if not stream:
-                out.write(answer + "\n")
+                out.write(shown(answer) + "\n")

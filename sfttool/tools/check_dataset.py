@@ -201,12 +201,74 @@ def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
         echo(f"\n== final row 0: {row['length']} tokens, samples of {row['sample_lengths']} ==")
 
 
+def row_kinds(report) -> dict[int, str]:
+    """Each row's kind ('plain', 'reasoning', 'tool calls'), from its standard conversation."""
+    from sfttool.dataset.chat_targets import describe
+    from sfttool.dataset.conversation import to_messages
+    stage = next((report.stages[k] for k in ("template", "map_fn", "loaded") if k in report.stages
+                  and "conversation" in report.stages[k].column_names), None)
+    if stage is None:
+        return {}
+    kinds = {}
+    for number, conversation in zip(stage[ROW_COLUMN], stage["conversation"]):
+        try:
+            kinds[number] = describe(to_messages(conversation or []))
+        except (DatasetError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # the pipeline names a malformed row
+    return kinds
+
+
+def print_kinds(report, kinds: dict[int, str], tokenizer, echo: Echo, color: bool) -> None:
+    """Rows counted by kind, and one tool-calling and one reasoning sample with the trained parts marked."""
+    if not kinds:
+        return
+    counts = {kind: list(kinds.values()).count(kind) for kind in ("plain", "reasoning", "tool calls")}
+    echo("\n== rows by kind ==\n" + "   ".join(f"{kind}: {n}" for kind, n in counts.items()))
+    encoded = report.stages.get("encoded")
+    if encoded is None or ROW_COLUMN not in encoded.column_names:
+        return
+    numbers = encoded[ROW_COLUMN]
+    for kind in ("tool calls", "reasoning"):
+        first = next((i for i, n in enumerate(numbers) if kinds.get(n) == kind), None)
+        if first is not None:
+            sample = encoded[first]
+            echo(f"\n== a {kind} row (row {numbers[first]}), trained vs masked ==")
+            echo(show_masked(sample["input_ids"], sample["labels"], tokenizer, color))
+
+
+def unterminated_turns(encoded, tokenizer) -> tuple[int, list[int]]:
+    """Trained turns (runs of trained tokens) whose last token is not a special token (EOS, end of turn):
+    ``(count, first rows)``. The model would not learn to stop after them."""
+    if encoded is None or not len(encoded):
+        return 0, []
+    enders = set(tokenizer.all_special_ids) | {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                              if t.special}
+    count, rows = 0, []
+    numbers = encoded[ROW_COLUMN] if ROW_COLUMN in encoded.column_names else range(len(encoded))
+    for labels, number in zip(encoded["labels"], numbers):
+        ends = [labels[i] for i in range(len(labels))
+                if labels[i] != -100 and (i + 1 == len(labels) or labels[i + 1] == -100)]
+        missing = sum(1 for token in ends if token not in enders)
+        count += missing
+        if missing and len(rows) < 3:
+            rows.append(number)
+    return count, rows
+
+
+def check_turn_ends(report, tokenizer, findings: Findings) -> None:
+    count, rows = unterminated_turns(report.stages.get("encoded"), tokenizer)
+    if count:
+        findings.warn(f"{count} trained turns do not end with an end-of-turn token (rows "
+                      f"{', '.join(map(str, rows))}{', ...' if count > len(rows) else ''}): the model will not learn "
+                      "to stop there; check the template's SUFFIX / need_eos_token, or the rows' truncation")
+
+
 def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     lengths = np.asarray(report.sample_lengths)
     echo("\n== statistics ==")
-    from sfttool.dataset.report import drop_lines
+    from sfttool.dataset.report import drop_lines, split_lines
     echo(f"rows in: {report.rows_in}   rows out: {report.rows_out}")
-    for line in drop_lines(report):
+    for line in split_lines(report) + drop_lines(report):
         echo(line)
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
@@ -298,7 +360,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         from sfttool.dataset.report import change_lines
         for line in change_lines(report):
             findings.warn(line)
+        check_turn_ends(report, tokenizer, findings)
         print_stages(report, tokenizer, echo, color)
+        print_kinds(report, row_kinds(report), tokenizer, echo, color)
         print_stats(report, args, batch_size, echo)
 
 

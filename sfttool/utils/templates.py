@@ -18,7 +18,10 @@ round=)``), which folds the system prompt into the user message for models
 that have no system role (Gemma 2).
 
 ``PROMPT_TEMPLATE.hf_chat_template`` is special: it tells the encoder to
-render with the tokenizer's own jinja ``chat_template``.
+render with the tokenizer's own jinja ``chat_template``; its optional fields
+``TRAIN_ON_REASONING`` (default True) and ``ENABLE_THINKING`` (default: not
+passed) are the reasoning settings (``dict(PROMPT_TEMPLATE.hf_chat_template,
+TRAIN_ON_REASONING=False)``).
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ from mmengine.config import ConfigDict
 TEMPLATE_DEFAULTS = dict(SYSTEM="{system}\n", INSTRUCTION="{input}", SUFFIX="", SUFFIX_AS_EOS=False,
                          SEP="", STOP_WORDS=[])
 TEMPLATE_FIELDS = tuple(TEMPLATE_DEFAULTS)
+# The HF chat-template entry's settings (docs/reasoning_and_tools.md): train the reasoning (<think> block) or
+# not; Qwen3's enable_thinking for rows without reasoning (None: not passed to the template).
+HF_CHAT_TEMPLATE_FIELDS = ("HF_CHAT_TEMPLATE", "STOP_WORDS", "TRAIN_ON_REASONING", "ENABLE_THINKING")
 
 _CHATML = dict(
     SYSTEM="<|im_start|>system\n{system}<|im_end|>\n",
@@ -142,6 +148,10 @@ def complete_template(template: Mapping[str, Any]) -> ConfigDict:
     False
     """
     if template.get("HF_CHAT_TEMPLATE"):
+        unknown = sorted(set(template) - set(HF_CHAT_TEMPLATE_FIELDS))
+        if unknown:
+            raise ValueError(f"hf_chat_template has unknown field(s) {unknown}; valid fields are "
+                             f"{list(HF_CHAT_TEMPLATE_FIELDS)}")
         return ConfigDict(dict(template))
     unknown = sorted(set(template) - set(TEMPLATE_FIELDS))
     if unknown:
@@ -185,6 +195,18 @@ SYSTEM_TEMPLATE = ConfigDict(
 def is_hf_chat_template(template: Any) -> bool:
     """True for ``PROMPT_TEMPLATE.hf_chat_template`` (render with the tokenizer's jinja)."""
     return isinstance(template, Mapping) and bool(template.get("HF_CHAT_TEMPLATE"))
+
+
+def chat_template_options(template: Any) -> dict:
+    """The HF chat-template settings the encoder applies, lower-cased (``{}`` for other templates).
+
+    >>> chat_template_options(dict(HF_CHAT_TEMPLATE=True, TRAIN_ON_REASONING=False))
+    {'train_on_reasoning': False, 'enable_thinking': None}
+    """
+    if not is_hf_chat_template(template):
+        return {}
+    return {"train_on_reasoning": bool(template.get("TRAIN_ON_REASONING", True)),
+            "enable_thinking": template.get("ENABLE_THINKING")}
 
 
 def get_template(name_or_dict: str | Mapping[str, Any]) -> ConfigDict:

@@ -1,6 +1,8 @@
 """Dataset map fns (raw format -> standard conversation) and template_map_fn."""
 from __future__ import annotations
 
+import json
+
 import copy
 import pickle
 
@@ -19,7 +21,7 @@ RAW_FORMAT_FNS = [
     "alpaca_map_fn", "alpaca_zh_map_fn", "oasst1_map_fn", "openai_map_fn", "wizardlm_map_fn", "code_alpaca_map_fn",
     "openorca_map_fn", "sql_map_fn", "medical_map_fn", "law_reference_map_fn", "crime_kg_assitant_map_fn",
     "arxiv_map_fn", "colors_map_fn", "stack_exchange_map_fn", "tiny_codes_map_fn", "default_map_fn",
-    "pretrain_map_fn", "sharegpt_map_fn",
+    "pretrain_map_fn", "sharegpt_map_fn", "msagent_map_fn",
 ]
 
 
@@ -305,9 +307,13 @@ def test_map_fn_error_is_a_value_error():
 
 
 def test_openai_unknown_role_names_role_and_position():
-    row = {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]}
-    with pytest.raises(MapFnError, match=r"messages\[1\] has role 'tool'"):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "{}"}]}
+    with pytest.raises(MapFnError, match=r"messages\[1\] has role 'robot'"):
         openai_map_fn(row)
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}], "tools": [{}]}
+    with pytest.raises(MapFnError, match=r"messages\[2\] has role 'robot'; expected one of system, user, "
+                                         r"assistant, tool"):
+        openai_map_fn({**row, "messages": row["messages"] + [{"role": "robot", "content": ""}]})
 
 
 def test_openai_system_message_after_the_first_turn_is_an_error_naming_its_position():
@@ -329,8 +335,8 @@ def test_openai_system_message_after_the_first_turn_is_an_error_naming_its_posit
 
 def test_openai_error_positions_count_skipped_leading_assistant_messages():
     row = {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Q"},
-                        {"role": "tool", "content": "{}"}]}
-    with pytest.raises(MapFnError, match=r"messages\[2\] has role 'tool'"):
+                        {"role": "robot", "content": "{}"}]}
+    with pytest.raises(MapFnError, match=r"messages\[2\] has role 'robot'"):
         openai_map_fn(row)
 
 
@@ -518,3 +524,33 @@ def test_sharegpt_mixed_key_spellings_with_nulls():
     row = {"conversations": [{"from": "human", "value": "Q", "role": None, "content": None},
                              {"from": None, "value": None, "role": "assistant", "content": "A"}]}
     assert sharegpt_map_fn(row) == one_turn("Q", "A")
+
+
+def test_openai_tool_calls_reasoning_and_tools_ride_on_the_turns():
+    row = {"tools": '[{"type": "function", "function": {"name": "add"}}]', "messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "assistant", "content": "3.", "loss": False}, {"role": "user", "content": "unanswered"}]}
+    notes = []
+    turns = openai_map_fn(row, notes)["conversation"]
+    assert notes == ["final user message without an answer (dropped)"]
+    assert [(t.get("system"), t.get("tools"), t["input"], t["output"], t["output_with_loss"]) for t in turns] == [
+        ("S", '[{"type": "function", "function": {"name": "add"}}]', "1+2?", "", True), (None, None, "", "3.", False)]
+    assert json.loads(turns[0]["messages"]) == [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "reasoning_content": "Use the tool.", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}, "id": "c1"}]}]
+    assert json.loads(turns[1]["messages"]) == [{"role": "tool", "tool_call_id": "c1", "content": "3"},
+                                                {"role": "assistant", "content": "3.", "loss": False}]
+
+
+def test_openai_tool_call_errors_name_the_message():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
+    with pytest.raises(MapFnError, match=r"openai_map_fn: messages\[1\]\.tool_calls\[0\]: tool call 'f' has "
+                                         r"arguments that are not JSON"):
+        openai_map_fn({"messages": [{"role": "user", "content": "q"}, call]})
+    with pytest.raises(MapFnError, match=r"messages\[2\] is a system message after the conversation started"):
+        openai_map_fn({"messages": [{"role": "user", "content": "q"}, {**call, "tool_calls": []},
+                                    {"role": "system", "content": "s"}, {"role": "tool", "content": "x"}]})

@@ -224,3 +224,40 @@ def test_the_runs_adapter_folder_works_as_model(lora_run):
     result = run_chat(lora_run / "hf_adapter", "--temperature", "0", "--max-new-tokens", "4", "--prompt", "hi")
     assert result.exit_code == 0, result.output
     assert f"Prompt template: {lora_run / 'hf_adapter' / 'sfttool_config.py'}" in result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Tools and reasoning, rendered as in training.
+
+def test_tools_reach_the_prompt_as_the_chat_template_renders_them(tmp_path):
+    import json as json_
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from sfttool import assets
+    from sfttool.tools.chat import load_tools
+    jinja = (Path(__file__).resolve().parents[1] / "assets" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja")
+    tok = AutoTokenizer.from_pretrained(assets.build_chat_tokenizer(tmp_path / "tok", "qwen", jinja.read_text()))
+    schema = {"name": "get_weather", "description": "Weather of a city.", "parameters": {"type": "object"}}
+    (tmp_path / "tools.json").write_text(json_.dumps([schema]))
+    template = get_template("hf_chat_template")
+    tools = load_tools(tmp_path / "tools.json", template)
+    assert tools == [{"type": "function", "function": schema}]
+    session = ChatSession(None, tok, template, system="Be brief.", tools=tools)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"}]
+    expected = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    assert session.prompt_ids("Oslo?") == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    with pytest.raises(ChatError, match="--tools needs the model's own chat template"):
+        load_tools(tmp_path / "tools.json", get_template("qwen_chat"))
+    (tmp_path / "bad.json").write_text('{"name": "f"}')
+    with pytest.raises(ChatError, match="bad.json: expected a JSON list of tool schemas, got dict"):
+        load_tools(tmp_path / "bad.json", template)
+
+
+def test_reasoning_is_shown_apart_from_the_answer():
+    from sfttool.tools.chat import shown, split_reasoning
+    assert split_reasoning("<think>\nOne and one.\n</think>\n\n2.") == ("One and one.", "2.")
+    assert split_reasoning("2.") == ("", "2.")
+    assert shown("<think>\nOne and one.\n</think>\n\n2.") == "[reasoning]\nOne and one.\n[answer]\n2."
+    assert shown("2.") == "2."

@@ -182,7 +182,7 @@ def test_stage_views_show_the_converted_conversation_whole(tmp_path, tiny_tokeni
     assert code == 0, out
     view = out.split("== after dataset_map_fn (row 0) ==\n")[1].split("\n\n")[0].splitlines()
     assert view[0] == f"source: {'x' * 1000!r}"[:608] + "... (1002 chars)"
-    assert view[-2:] == ["conversation:", f"  [0] {{'system': '', 'input': 'Say it\\n', 'output': {answer!r}, "
+    assert view[-2:] == ["conversation:", f"  [0] {{'system': '', 'tools': '', 'input': 'Say it\\n', 'messages': '', 'output': {answer!r}, "
                                           "'output_with_loss': True}"]
 
 
@@ -233,3 +233,43 @@ def test_no_false_template_difference_for_a_chatml_tokenizer_whose_bos_starts_ev
     code, out = check(make_config(tmp_path, saved))
     assert code == 0, out
     assert "OK: 0 errors, 0 warnings" in out
+
+
+def test_tool_calling_and_reasoning_rows_are_shown_and_counted(tmp_path):
+    from pathlib import Path
+    templates = Path(__file__).resolve().parents[1] / "assets" / "templates"
+    tok_dir = assets.build_chat_tokenizer(tmp_path / "tok", "qwen", (templates / "Qwen-Qwen3-0.6B.jinja").read_text())
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+            {"messages": [{"role": "user", "content": "1+1?"},
+                          {"role": "assistant", "content": "2.", "reasoning_content": "One and one."}]},
+            {"messages": [{"role": "user", "content": "Add 1."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "content": "2"}, {"role": "assistant", "content": "It is 2."}]}]
+    cfg = make_config(tmp_path, tok_dir, rows=rows, map_fn="'openai_map_fn'", template="PROMPT_TEMPLATE.hf_chat_template")
+    code, out = check(cfg)
+    assert code == 0, out
+    assert "== rows by kind ==\nplain: 1   reasoning: 1   tool calls: 1" in out
+    # Qwen3 writes the empty think block before the last answer only: the tool call and the answer after
+    # the tool's result are produced in forms no single render holds.
+    assert "rows in: 3   rows out: 2\n1 conversations became 2 samples each (the chat template renders" in out
+    assert ("== a tool calls row (row 2), trained vs masked ==\n[MASKED:<|im_start|>user\nAdd 1.<|im_end|>\n"
+            "<|im_start|>assistant\n]<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n"
+            "</tool_call><|im_end|>[MASKED:\n]") in out
+    assert ("== a reasoning row (row 1), trained vs masked ==\n[MASKED:<|im_start|>user\n1+1?<|im_end|>\n"
+            "<|im_start|>assistant\n]<think>\nOne and one.\n</think>\n\n2.<|im_end|>[MASKED:\n]") in out
+
+
+def test_turns_without_an_end_token_and_ignored_fields_are_warnings(tmp_path, tiny_tokenizer_dir):
+    rows = [{"messages": [{"role": "user", "content": "1+1?"},
+                          {"role": "assistant", "content": "2.", "reasoning_content": "One and one."}]}]
+    # The tiny ChatML template renders no reasoning; a template without an end token trains none.
+    cfg = make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="'openai_map_fn'",
+                      template="PROMPT_TEMPLATE.hf_chat_template")
+    code, out = check(cfg)
+    assert "WARNING: changed 1 rows: reasoning_content ignored by the tokenizer's chat template: not in the " \
+           "trained text (row 0)" in out, out
+    cfg = make_config(tmp_path, tiny_tokenizer_dir, rows=rows * 2, map_fn="'openai_map_fn'",
+                      template="dict(INSTRUCTION='Q: {input}\\nA: ', SUFFIX_AS_EOS=True)")
+    code, out = check(cfg)
+    assert "WARNING: 2 trained turns do not end with an end-of-turn token (rows 0, 1): the model will not learn " \
+           "to stop there" in out, out

@@ -1,8 +1,13 @@
-"""OpenAI fine-tuning format: ``messages`` = [{role: system|user|assistant, content, loss?}, ...]."""
+"""OpenAI fine-tuning format: ``messages`` = [{role: system|user|assistant|tool, content, loss?,
+tool_calls?, reasoning_content?}, ...], and an optional row-level ``tools`` list."""
 from __future__ import annotations
+
+import json
+from typing import Any
 
 from sfttool.registry import MAP_FUNC
 
+from sfttool.dataset.chat_messages import MessageError, drop_nulls, is_structured, tool_turns
 from sfttool.dataset.conversation import turns_from_messages
 
 from ._fields import list_field, text_field
@@ -35,8 +40,17 @@ def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
     trailing user messages without an answer are dropped. An assistant
     message with ``loss: false`` is kept as context but not trained.
     ``notes`` (a list) collects what the conversion changed.
+
+    Rows with tool calls, ``tool`` messages, ``reasoning_content`` or ``tools`` become turns that
+    carry their chat messages (``chat_messages.tool_turns``) for the chat template.
     """
     messages = list_field(example, "messages", "openai_map_fn")
+    tools = row_tools_field(example, "openai_map_fn")
+    if is_structured(messages, tools):
+        try:
+            return {"conversation": tool_turns(messages, tools, notes)}
+        except MessageError as exc:
+            raise MapFnError(f"openai_map_fn: {exc}") from None
     tagged: list[tuple[str, str, bool]] = []
     answered = False
     for index, message in enumerate(messages):  # index into the row's own list, for errors
@@ -53,3 +67,20 @@ def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
         answered = answered or (role == "assistant" and any(r == "user" for r, _, _ in tagged))
         tagged.append((role, content, _with_loss(message) if role == "assistant" else True))
     return {"conversation": turns_from_messages(tagged, notes, loss_flags=True)}
+
+
+def row_tools_field(example: dict, fn: str) -> list[dict]:
+    """The row's ``tools``: a list of schemas, or its JSON text (LLaMA-Factory writes it so)."""
+    value: Any = example.get("tools")
+    if not isinstance(value, str):
+        value = drop_nulls(value)
+    else:
+        try:
+            value = json.loads(value) if value.strip() else []
+        except ValueError:
+            raise MapFnError(f"{fn}: field 'tools' is not valid JSON: {value!r:.80}") from None
+    if not value:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise MapFnError(f"{fn}: field 'tools' must be a list of tool schemas, got {value!r:.80}")
+    return value

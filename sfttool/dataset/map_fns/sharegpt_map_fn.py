@@ -10,17 +10,28 @@ Real ShareGPT dumps are messy; this map fn accepts the common variants:
 
 A system message later in the conversation, an unknown role or a non-string
 message raises MapFnError naming the message position.
+
+LLaMA-Factory's tool format is read too: ``function_call`` messages (the call as JSON,
+``{"name", "arguments"}`` or a list of them), ``observation`` messages (the tool's result)
+and a row-level ``tools`` (JSON text or a list; bare function schemas are wrapped as
+``{"type": "function", "function": schema}``, the form chat templates document). Such rows
+become turns that carry their chat messages (``chat_messages.tool_turns``).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from sfttool.registry import MAP_FUNC
 
+from sfttool.dataset.chat_messages import MessageError, tool_turns
 from sfttool.dataset.conversation import JOIN, turns_from_messages
 
 from ._fields import text_field
 from .errors import MapFnError
+from .openai_map_fn import row_tools_field
+
+TOOL_ROLES = {"function_call": "assistant", "observation": "tool"}  # LLaMA-Factory's names
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -79,4 +90,44 @@ def sharegpt_map_fn(example: dict, notes: list[str] | None = None) -> dict:
 
     ``notes`` (a list) collects what the conversion changed (see ``turns_from_messages``).
     """
-    return {"conversation": turns_from_messages(_tagged(_messages(example)), notes)}
+    messages = _messages(example)
+    tools = row_tools_field(example, "sharegpt_map_fn")
+    if tools or any(_raw_role(m) in TOOL_ROLES for m in messages):
+        try:
+            return {"conversation": tool_turns(_openai_messages(messages), _wrapped(tools), notes)}
+        except MessageError as exc:
+            raise MapFnError(f"sharegpt_map_fn: {exc}".replace("messages[", "conversations[")) from None
+    return {"conversation": turns_from_messages(_tagged(messages), notes)}
+
+
+def _raw_role(message: Mapping[str, Any]) -> str:
+    role = message.get("from") if message.get("from") is not None else message.get("role")
+    return role.strip().lower() if isinstance(role, str) else ""
+
+
+def _openai_messages(messages: list) -> list[dict]:
+    """ShareGPT messages with LLaMA-Factory's tool roles -> OpenAI messages (``tool_calls``, ``tool``)."""
+    out = []
+    for index, message in enumerate(messages):
+        raw = _raw_role(message)
+        if raw not in TOOL_ROLES:
+            role, text = _role_and_text(message, index)
+            out.append({"role": role, "content": text})
+            continue
+        text = text_field(message, "content" if message.get("value") is None else "value",
+                          f"sharegpt_map_fn (conversations[{index}])")
+        if raw == "observation":
+            out.append({"role": "tool", "content": text})
+            continue
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            raise MapFnError(f"sharegpt_map_fn: conversations[{index}] (function_call) is not JSON: {text!r:.80}; "
+                             'write the call as {"name": ..., "arguments": {...}}') from None
+        out.append({"role": "assistant", "content": "", "tool_calls": calls if isinstance(calls, list) else [calls]})
+    return out
+
+
+def _wrapped(tools: list[dict]) -> list[dict]:
+    """Bare function schemas (LLaMA-Factory) in the OpenAI form chat templates document."""
+    return [t if "function" in t or "type" in t else {"type": "function", "function": t} for t in tools]

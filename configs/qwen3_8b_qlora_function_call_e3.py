@@ -1,0 +1,163 @@
+"""QLoRA (4-bit base weights + LoRA adapter) of Qwen3-8B on
+Glaive function calling (ShareGPT with tools, llamafactory/glaive_toolcall_en), 3 epochs.
+
+Memory (estimate): 8.2B params x 0.55 bytes (NF4 weights + scales) = 4.5 GB, plus the
+adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
+one 16 GB GPU.
+
+The data go through the model's own chat template (PROMPT_TEMPLATE.hf_chat_template); see
+docs/reasoning_and_tools.md for the formats, the settings and what is trained.
+
+    sfttool check-custom-dataset qwen3_8b_qlora_function_call_e3   # rows by kind, trained parts marked
+    sfttool train qwen3_8b_qlora_function_call_e3
+    sfttool copy-cfg qwen3_8b_qlora_function_call_e3 .   # an editable copy
+"""
+
+from mmengine.config import read_base
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttool.dataset import process_hf_dataset
+from sfttool.dataset.collate_fns import default_collate_fn
+from sfttool.dataset.data_path import load_data_path
+from sfttool.dataset.map_fns import sharegpt_map_fn, template_map_fn_factory
+from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.model import SupervisedFinetune
+from sfttool.utils import PROMPT_TEMPLATE
+
+# Shared parts: the LoRA adapter and 4-bit settings (peft.py), hooks, environment
+# and logging (runtime.py). `sfttool copy-cfg` copies them next to your copy.
+with read_base():
+    from ._base_.peft import *
+    from ._base_.runtime import *
+
+###############################################################################
+#                          PART 1  Settings                                   #
+###############################################################################
+# Model
+pretrained_model_name_or_path = 'Qwen/Qwen3-8B'
+use_varlen_attn = False   # True needs flash-attn; packed samples are isolated either way
+
+# Data: data_path is a hub name, or a local .json/.jsonl/.csv/.parquet file, a folder or a glob
+data_path = 'llamafactory/glaive_toolcall_en'   # ShareGPT rows: function_call/observation roles + `tools`
+dataset_map_fn = sharegpt_map_fn   # calls and results -> the chat template's tool_calls and tool messages
+# The model's own chat template (docs/reasoning_and_tools.md): the tools block in the prompt, each call and
+# answer trained exactly as the model produces it at inference, tool results never trained.
+prompt_template = PROMPT_TEMPLATE.hf_chat_template
+max_length = 2048            # tokens per row; longer samples are truncated
+pack_to_max_length = True    # several whole samples per row, never split
+
+# Scheduler & optimizer
+batch_size = 1               # packed rows per device per iteration
+accumulative_counts = 16     # iterations (micro-batches) per optimizer step
+# => up to 1 x 2048 x 16 = 32768 tokens per optimizer step per GPU
+dataloader_num_workers = 0
+max_epochs = 3
+lr = 2e-4
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1                 # gradient clipping
+warmup_ratio = 0.03          # warm-up over the first 3% of iterations
+seed = 42
+
+# Save
+save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
+save_total_limit = 2         # keep the newest 2 (-1 keeps all)
+
+# Sample generations during training
+evaluation_freq = 500        # every 500 iterations, plus before and after training
+evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short
+SYSTEM = ''                   # the tools reach the prompt through the chat template, not SYSTEM
+evaluation_inputs = ['What is the weather like in Paris?']
+
+###############################################################################
+#                      PART 2  Model & Tokenizer                              #
+###############################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=False,
+    padding_side='right')
+
+model = dict(
+    type=SupervisedFinetune,
+    use_varlen_attn=use_varlen_attn,
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        trust_remote_code=False,
+        dtype='bfloat16',
+        quantization_config=qlora_4bit),   # NF4, from _base_/peft.py
+    lora=lora_config)                  # r=64, alpha=16, every linear layer but the head
+
+###############################################################################
+#                      PART 3  Dataset & Dataloader                           #
+###############################################################################
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_data_path, path=data_path),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=dataset_map_fn,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    remove_unused_columns=True,
+    shuffle_before_pack=True,
+    pack_to_max_length=pack_to_max_length,
+    use_varlen_attn=use_varlen_attn,
+    seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
+
+###############################################################################
+#                    PART 4  Scheduler & Optimizer                            #
+###############################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
+    optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='bfloat16')
+
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
+         begin=0, end=warmup_ratio * max_epochs),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, convert_to_iter_based=True,
+         begin=warmup_ratio * max_epochs, end=max_epochs),
+]
+
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+###############################################################################
+#                            PART 5  Runtime                                  #
+###############################################################################
+# Hooks of this run: dataset statistics before training, sample generations every
+# `evaluation_freq` iterations and before and after training, throughput in the log.
+custom_hooks = [
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
+         max_new_tokens=evaluation_max_new_tokens),
+    dict(type=ThroughputHook),
+]
+
+# Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
+# the checkpoint hook depends on this run's settings.
+default_hooks = dict(
+    **base_hooks,
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
+                    max_keep_ckpts=save_total_limit))
+
+randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py
