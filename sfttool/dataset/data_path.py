@@ -36,14 +36,14 @@ def _builder(file: str) -> str | None:
     return next((b for suffix, b in BUILDERS.items() if name.endswith(suffix)), None)
 
 
-def _one_builder(files: list[str], data_path: str) -> str:
+def _one_builder(files: list[str], data_path: str, key: str = "data_path") -> str:
     first: dict[str | None, str] = {}
     for file in files:
         first.setdefault(_builder(file), Path(file).name)
     if None in first or len(first) != 1:
         found = ", ".join(first.values())
-        raise DatasetError(f"data_path {data_path!r}: expected files of one kind ({', '.join(BUILDERS)}), "
-                           f"found {found}; point data_path (PART 1 of the config) at files of one kind")
+        raise DatasetError(f"{key} {data_path!r}: expected files of one kind ({', '.join(BUILDERS)}), "
+                           f"found {found}; point {key} (PART 1 of the config) at files of one kind")
     return next(iter(first))
 
 
@@ -54,27 +54,28 @@ def _looks_local(path: str) -> bool:
             or (os.sep in path and os.path.isdir(path.split(os.sep)[0])))
 
 
-def data_source(data_path: str | os.PathLike) -> dict:
+def data_source(data_path: str | os.PathLike, key: str = "data_path") -> dict:
     """``load_dataset`` arguments for ``data_path``: a hub name, a local data file, a folder
-    (its data files, recursively) or a glob. A missing local path is an error naming it."""
+    (its data files, recursively) or a glob. A missing local path is an error naming it and the
+    setting ``key`` it came from."""
     text = os.path.expanduser(str(data_path))
     if any(c in text for c in _GLOB):
         files = sorted(f for f in glob.glob(text, recursive=True) if os.path.isfile(f))
         if not files:
-            raise DatasetError(f"data_path {str(data_path)!r}: no file matches this pattern; set data_path "
+            raise DatasetError(f"{key} {str(data_path)!r}: no file matches this pattern; set {key} "
                                "(PART 1 of the config) to your data file, folder or pattern")
-        return {"path": _one_builder(files, str(data_path)), "data_files": files}
+        return {"path": _one_builder(files, str(data_path), key), "data_files": files}
     if os.path.isfile(text):
-        return {"path": _one_builder([text], str(data_path)), "data_files": [text]}
+        return {"path": _one_builder([text], str(data_path), key), "data_files": [text]}
     if os.path.isdir(text):
         if any(os.path.isfile(os.path.join(text, f)) for f in ("dataset_dict.json", "state.json")):
             return {"path": text, "from_disk": True}  # written by Dataset(Dict).save_to_disk
         files = sorted(str(f) for f in Path(text).rglob("*") if f.is_file() and _builder(str(f)))
         if not files:  # a dataset repository checked out locally: datasets reads its layout
             return {"path": text}
-        return {"path": _one_builder(files, str(data_path)), "data_files": files}
+        return {"path": _one_builder(files, str(data_path), key), "data_files": files}
     if _looks_local(text):
-        raise DatasetError(f"data_path {str(data_path)!r}: no such file or folder; set data_path (PART 1 of "
+        raise DatasetError(f"{key} {str(data_path)!r}: no such file or folder; set {key} (PART 1 of "
                            "the config) to your data file, a folder or a glob, or a dataset name on the hub")
     return {"path": str(data_path)}
 

@@ -13,7 +13,6 @@ part the other 95, both in file order.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,6 @@ from sfttool.dataset.errors import DatasetError
 from sfttool.registry import BUILDER
 
 PARTS = ("train", "val")
-JSON_SUFFIXES = (".json", ".jsonl")
 
 
 def held_out_count(rows: int, val_ratio: float, max_val_rows: int | None = None) -> int:
@@ -45,8 +43,8 @@ def split_indices(rows: int, count: int, seed: int) -> tuple[np.ndarray, np.ndar
 def validation_split(dataset: Any, part: str, val_ratio: float | None = None, val_data_path: Any = None,
                      max_val_rows: int | None = None, seed: int = 0, split: str = "train"):
     """One part of the raw rows: ``part='train'`` the rows to train on, ``part='val'`` the rows to
-    validate on. ``val_data_path`` (local JSON/JSONL files, else a dataset name or folder that
-    ``datasets.load_dataset`` reads) wins over ``val_ratio``; with neither, 'train' is every row."""
+    validate on. ``val_data_path`` (read by the ``data_path`` rules: a hub name, a local file, a
+    folder or a glob) wins over ``val_ratio``; with neither, 'train' is every row."""
     from sfttool.dataset.resolve import resolve_dataset
 
     _check(part, val_ratio, max_val_rows)
@@ -78,21 +76,13 @@ def _ratio_part(dataset: Any, part: str, val_ratio: float, max_val_rows: int | N
 
 
 def load_validation_data(val_data_path: Any, split: str = "train"):
-    """``val_data_path``: local JSON/JSONL file(s), checked line by line as training files are,
-    else whatever ``datasets.load_dataset(val_data_path)`` reads (a hub dataset, a folder)."""
-    from sfttool.dataset.load import data_file_list, load_json_dataset
-
-    files = data_file_list(val_data_path)
-    if files and all(Path(f).suffix in JSON_SUFFIXES for f in files):
-        missing = [f for f in files if not Path(f).exists()]
-        if missing:
-            raise DatasetError(f"val_data_path: {missing[0]} does not exist; set val_data_path to an existing "
-                               "JSON/JSONL file, a dataset name, or None")
-        return load_json_dataset(files, split="train")
-    from datasets import load_dataset
-
+    """``val_data_path``, read by the ``data_path`` rules (a hub name, a local .json/.jsonl/.csv/.parquet
+    file, a folder or a glob); local JSON files are checked line by line first, as training files are."""
+    from sfttool.dataset.data_path import data_source, load_data_path
     from sfttool.dataset.resolve import resolve_dataset
-    return resolve_dataset(load_dataset(val_data_path), split, validate=False)
+
+    data_source(val_data_path, key="val_data_path")  # a missing file is named by its own setting
+    return resolve_dataset(dict(type=load_data_path, path=val_data_path), split)
 
 
 def _check(part: str, val_ratio: Any, max_val_rows: Any) -> None:

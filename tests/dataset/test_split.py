@@ -53,13 +53,26 @@ def test_val_data_path_wins_and_leaves_the_training_rows_whole(tmp_path):
     assert ids(validation_split(rows(10), "train", val_ratio=0.5, val_data_path=str(file))) == list(range(10))
 
 
+def test_val_data_path_takes_what_data_path_takes(tmp_path):
+    folder = tmp_path / "val"
+    folder.mkdir()
+    (folder / "a.csv").write_text("id\n200\n201\n")
+    (folder / "b.csv").write_text("id\n202\n")
+    assert ids(validation_split(rows(10), "val", val_data_path=str(folder))) == [200, 201, 202]
+    assert ids(validation_split(rows(10), "val", val_data_path=str(folder / "*.csv"))) == [200, 201, 202]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n{broken\n')
+    with pytest.raises(DatasetError, match=rf"{bad}, line 2: invalid JSON"):
+        validation_split(rows(10), "val", val_data_path=str(bad))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(part="val"), "needs val_data_path or val_ratio"),
     (dict(part="test", val_ratio=0.1), "part must be one of train, val"),
     (dict(part="val", val_ratio=1.5), "val_ratio must be a number from 0"),
     (dict(part="val", val_ratio=0.1, max_val_rows=0), "max_val_rows must be a positive integer"),
     (dict(part="train", val_ratio=0.9), "leaves none to train on"),
-    (dict(part="val", val_data_path="missing.jsonl"), "val_data_path: missing.jsonl does not exist"),
+    (dict(part="val", val_data_path="missing.jsonl"), "val_data_path 'missing.jsonl': no such file or folder"),
 ])
 def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(DatasetError, match=message):
