@@ -25,9 +25,11 @@ from sfttool.assets import builtin_data_file, export_smollm2
 from sfttool.dataset import process_hf_dataset
 from sfttool.dataset.collate_fns import default_collate_fn
 from sfttool.dataset.data_path import load_data_path
+from sfttool.dataset.split import validation_split
 from sfttool.dataset.map_fns import template_map_fn_factory
-from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.hooks import DatasetInfoHook, EarlyStoppingHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
+from sfttool.engine.validation import ValLoop, ValLossMetric
 from sfttool.model import SupervisedFinetune
 from sfttool.utils import PROMPT_TEMPLATE
 
@@ -70,6 +72,19 @@ seed = 42
 save_steps = 1000
 save_total_limit = 1
 
+# Validation: 8 of the 82 rows held out before packing (no row in both); val/loss is the
+# mean over every trained token of them (~2 packed rows, a second per validation).
+val_data_path = None         # a file, folder, glob or hub name (the data_path rules); wins over val_ratio
+val_ratio = 0.1
+max_val_rows = 200
+val_interval = 10            # optimizer steps between validations; one more at the end
+early_stopping_patience = None   # stop after this many validations without improvement (None: never)
+early_stopping_min_delta = 0.0
+export_best = False          # True: the end-of-training HF export holds the best validation's weights
+
+# Tracking: none, so the demo needs no extra package; work_dir/loss.png is written anyway.
+report_to = []               # 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]')
+
 # Sample generations before and after training (greedy)
 evaluation_freq = None
 SYSTEM = ''                  # the chat template adds SmolLM2's default system prompt
@@ -106,7 +121,8 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_data_path, path=data_path),
+    dataset=dict(type=validation_split, dataset=dict(type=load_data_path, path=data_path), part='train',
+                 val_ratio=val_ratio, max_val_rows=max_val_rows, val_data_path=val_data_path, seed=seed),
     tokenizer=tokenizer,
     max_length=max_length,
     dataset_map_fn=dataset_map_fn,
@@ -122,6 +138,14 @@ train_dataloader = dict(
     num_workers=dataloader_num_workers,
     dataset=train_dataset,
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
+
+# The held-out rows, through the same pipeline (map fn, template, masking, packing).
+val_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
     collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
 
 ###############################################################################
@@ -144,7 +168,10 @@ param_scheduler = [
          begin=warmup_ratio * max_epochs, end=max_epochs),
 ]
 
-train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+# val_interval counts optimizer steps; the loop counts iterations (accumulative_counts per step).
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=ValLossMetric)
 
 ###############################################################################
 #                            PART 5  Runtime                                  #
@@ -157,6 +184,7 @@ custom_hooks = [
          evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
          max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
+    dict(type=EarlyStoppingHook, patience=early_stopping_patience, min_delta=early_stopping_min_delta),
 ]
 
 # Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
@@ -164,7 +192,8 @@ custom_hooks = [
 default_hooks = dict(
     **base_hooks,
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
-                    max_keep_ckpts=save_total_limit))
+                    max_keep_ckpts=save_total_limit,
+                    save_best='val/loss', rule='less'))   # best_val_loss_iter_N.pth, outside the rotation
 
 randomness = dict(seed=seed, deterministic=False)
 # env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

@@ -22,9 +22,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sfttool.dataset import process_hf_dataset
 from sfttool.dataset.collate_fns import default_collate_fn
 from sfttool.dataset.data_path import load_data_path
+from sfttool.dataset.split import validation_split
 from sfttool.dataset.map_fns import oasst1_map_fn, template_map_fn_factory
-from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.hooks import DatasetInfoHook, EarlyStoppingHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
+from sfttool.engine.validation import ValLoop, ValLossMetric
 from sfttool.model import SupervisedFinetune
 from sfttool.utils import PROMPT_TEMPLATE
 
@@ -65,6 +67,20 @@ seed = 42
 save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
 save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 
+# Validation: a seeded share of the rows held out before packing (no row in both),
+# or a separate file; val/loss is the mean over every trained token of that set.
+val_data_path = None         # a file, folder, glob or hub name (the data_path rules); wins over val_ratio
+val_ratio = 0.02             # 2% of the rows ...
+max_val_rows = 200           # ... at most 200: each validation costs ~200 samples' forward passes
+val_interval = 100           # optimizer steps between validations; one more at the end
+early_stopping_patience = None   # stop after this many validations without improvement (None: never)
+early_stopping_min_delta = 0.0   # an improvement must lower val/loss by more than this
+export_best = False          # True: the end-of-training HF export holds the best validation's weights
+
+# Tracking: 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]'), or [] for none.
+# Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
+report_to = ['tensorboard']
+
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training
 evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short
@@ -97,7 +113,8 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_data_path, path=data_path),
+    dataset=dict(type=validation_split, dataset=dict(type=load_data_path, path=data_path), part='train',
+                 val_ratio=val_ratio, max_val_rows=max_val_rows, val_data_path=val_data_path, seed=seed),
     tokenizer=tokenizer,
     max_length=max_length,
     dataset_map_fn=dataset_map_fn,
@@ -113,6 +130,14 @@ train_dataloader = dict(
     num_workers=dataloader_num_workers,
     dataset=train_dataset,
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
+
+# The held-out rows, through the same pipeline (map fn, template, masking, packing).
+val_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
     collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
 
 ###############################################################################
@@ -135,7 +160,10 @@ param_scheduler = [
          begin=warmup_ratio * max_epochs, end=max_epochs),
 ]
 
-train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+# val_interval counts optimizer steps; the loop counts iterations (accumulative_counts per step).
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=ValLossMetric)
 
 ###############################################################################
 #                            PART 5  Runtime                                  #
@@ -148,6 +176,7 @@ custom_hooks = [
          evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
          max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
+    dict(type=EarlyStoppingHook, patience=early_stopping_patience, min_delta=early_stopping_min_delta),
 ]
 
 # Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
@@ -155,7 +184,8 @@ custom_hooks = [
 default_hooks = dict(
     **base_hooks,
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
-                    max_keep_ckpts=save_total_limit))
+                    max_keep_ckpts=save_total_limit,
+                    save_best='val/loss', rule='less'))   # best_val_loss_iter_N.pth, outside the rotation
 
 randomness = dict(seed=seed, deterministic=False)
 # env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

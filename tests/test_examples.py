@@ -91,7 +91,7 @@ def test_demo_config_resolves_model_and_data_lazily(monkeypatch, tmp_path):
     llm = cfg.model.llm.pretrained_model_name_or_path
     llm = dict(llm, type=sfttool.assets.export_smollm2)  # the patched function, as the config names it
     assert build(llm) == tmp_path and calls == [1]
-    assert build(cfg.train_dataset.dataset.path) == builtin_data_file("self_identity.jsonl")
+    assert build(cfg.train_dataset.dataset.dataset.path) == builtin_data_file("self_identity.jsonl")
 
 
 def copy_with_tiny_model(example: Path, model_dir: Path, dest: Path) -> Path:
@@ -155,12 +155,15 @@ def test_the_migration_guide_example_loads_after_the_documented_edits(tmp_path):
 
 @pytest.mark.real_asset
 def test_demo_dataset_with_the_real_tokenizer(smollm2_dir):
-    """The figures docs/getting_started.md quotes: 82 samples pack into 19 rows of <= 256 tokens."""
+    """The figures docs/getting_started.md quotes: 8 of the 82 samples are held out for validation,
+    the other 74 pack into 17 rows of <= 256 tokens, the 8 into 2."""
     cfg = load_config(DEMO)
     dataset = build(cfg.train_dataset, "train_dataset")
+    held_out = build(cfg.val_dataloader.dataset, "val_dataloader.dataset")
     lengths = [n for row in dataset for n in row["sample_lengths"]]
-    assert len(dataset) == 19 and len(lengths) == 82
+    assert len(dataset) == 17 and len(lengths) == 74
     assert all(len(row["input_ids"]) <= 256 for row in dataset)
+    assert len(held_out) == 2 and sum(len(row["sample_lengths"]) for row in held_out) == 8
 
 
 @pytest.mark.parametrize("name", ["custom_dataset", "custom_map_fn"])

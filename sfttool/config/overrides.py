@@ -26,7 +26,7 @@ READ_KEYS = frozenset({
     "model", "tokenizer", "train_dataloader", "optim_wrapper", "param_scheduler", "train_cfg",
     "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness", "seed",
     "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters",
-    "experiment_name"})
+    "experiment_name", "val_dataloader", "val_cfg", "val_evaluator", "report_to", "export_best"})
 
 # Copied into the dicts training builds, but also read directly by a tool (convert saves `tokenizer`
 # beside the weights): a dotted override is allowed, with a warning naming the copies training uses.

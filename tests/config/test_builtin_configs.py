@@ -82,7 +82,7 @@ def test_config_loads_and_every_type_resolves(path):
     for key, type_ in types.items():
         assert callable(resolve_type(type_, key)), key
     # A custom JSON config names a placeholder file: training it unedited stops at validation.
-    placeholder = [f"{path}: train_dataloader.dataset.dataset.path: data_path '/path/to/your/data.jsonl': no such "
+    placeholder = [f"{path}: train_dataloader.dataset.dataset.dataset.path: data_path '/path/to/your/data.jsonl': no such "
                    "file or folder; set data_path (PART 1 of the config) to your data file, a folder or a glob, or "
                    "a dataset name on the hub"]
     assert validate_config(cfg, str(path)) == (placeholder if path.stem.endswith("custom_json_e3") else [])
@@ -135,13 +135,13 @@ def test_custom_json_configs_read_a_local_file_in_the_standard_format(name):
     cfg = load_config(name)
     assert cfg.dataset_map_fn is None and cfg.train_dataset.dataset_map_fn is None
     assert cfg.data_path == "/path/to/your/data.jsonl"
-    assert cfg.train_dataloader.dataset.dataset == dict(type=load_data_path, path=cfg.data_path)
+    assert cfg.train_dataloader.dataset.dataset.dataset == dict(type=load_data_path, path=cfg.data_path)
 
 
 def test_data_path_points_a_custom_json_config_at_a_real_file(tiny_sft_jsonl):
     cfg = load_config("qwen2_5_0_5b_instruct_full_custom_json_e3", [f"data_path={tiny_sft_jsonl}"])
-    node = cfg.train_dataloader.dataset.dataset
-    rows = build(node, "train_dataloader.dataset.dataset")
+    node = cfg.train_dataloader.dataset.dataset.dataset
+    rows = build(node, "train_dataloader.dataset.dataset.dataset")
     assert rows["train"].column_names == ["conversation"] and len(rows["train"]) == 64
 
 
@@ -274,4 +274,10 @@ def test_builtin_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and all(p.grad is not None for p in trained)
     hooks = [build(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.custom_hooks)]
-    assert [type(h).__name__ for h in hooks] == ["DatasetInfoHook", "EvaluateChatHook", "ThroughputHook"]
+    assert [type(h).__name__ for h in hooks] == ["DatasetInfoHook", "EvaluateChatHook", "ThroughputHook",
+                                                 "EarlyStoppingHook"]
+    assert hooks[-1].enabled is False  # early_stopping_patience = None: validations never stop the run
+    # The held-out rows go through the same pipeline, and no row is in both parts.
+    held_out = build(cfg.val_dataloader.dataset, "val_dataloader.dataset")
+    assert len(held_out) > 0 and cfg.val_dataloader.dataset.dataset.part == "val"
+    assert cfg.train_cfg.val_interval == cfg.val_interval * cfg.accumulative_counts

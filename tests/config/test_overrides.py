@@ -72,9 +72,10 @@ def test_each_part1_setting_reaches_what_is_built(copied):
                              "pretrained_model_name_or_path",
                              "tokenizer.pretrained_model_name_or_path",
                              "train_dataloader.dataset.tokenizer.pretrained_model_name_or_path",
-                             "train_dataset.tokenizer.pretrained_model_name_or_path"]
+                             "train_dataset.tokenizer.pretrained_model_name_or_path",
+                             "val_dataloader.dataset.tokenizer.pretrained_model_name_or_path"]
     assert set(paths.values()) == {"/models/mine"}
-    assert cfg.train_dataloader.dataset.max_length == 64
+    assert cfg.train_dataloader.dataset.max_length == 64 and cfg.val_dataloader.dataset.max_length == 64
     assert cfg.train_dataloader.batch_size == 2 and cfg.optim_wrapper.accumulative_counts == 4
     assert cfg.randomness.seed == 7 and cfg.train_dataloader.sampler.seed == 7
     assert cfg.train_dataloader.dataset.seed == 7
@@ -191,7 +192,10 @@ def test_overridden_settings_reach_the_built_objects(copied, tiny_qwen2_dir, tin
         assert build(node, key).name_or_path == str(tiny_qwen2_dir)
     dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
     lengths = [len(row["input_ids"]) for row in dataset]
-    assert max(lengths) <= 48 and sum(len(row["sample_lengths"]) for row in dataset) == 64
+    # val_ratio=0.02 holds one of the 64 rows out for validation, through the same pipeline
+    held_out = build(cfg.val_dataloader.dataset, "val_dataloader.dataset")
+    assert max(lengths) <= 48 and sum(len(row["sample_lengths"]) for row in dataset) == 63
+    assert sum(len(row["sample_lengths"]) for row in held_out) == 1
 
 
 def test_an_object_from_python_code_sets_a_key_the_runner_reads(tmp_path):
@@ -227,4 +231,5 @@ def test_a_dotted_tokenizer_key_warns_with_the_copies_training_reads(copied):
     assert records == [
         "--cfg-options tokenizer.padding_side: the tools (convert) read `tokenizer` itself, but training uses the "
         "copies the config made of it; to change training, override custom_hooks.0.tokenizer.padding_side, "
-        "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side"]
+        "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side, "
+        "val_dataloader.dataset.tokenizer.padding_side"]

@@ -29,7 +29,7 @@ def test_the_typos_users_make_are_all_reported_at_once():
 
 def test_every_kind_of_node_is_checked():
     options = ["model.llm.quantization_config.load_in_4bits=True", "tokenizer.padding_sid=left",
-               "train_dataloader.dataset.dataset.splt=train", "train_dataloader.dataset.template_map_fn.templat=x",
+               "train_dataloader.dataset.dataset.dataset.splt=train", "train_dataloader.dataset.template_map_fn.templat=x",
                "train_dataloader.collate_fn.use_varlen_atn=True", "custom_hooks.1.max_new_token=5",
                "model.use_varlen_atn=True"]
     assert validate_config(load_config(NAME, options), "c.py") == [
@@ -39,7 +39,7 @@ def test_every_kind_of_node_is_checked():
         "(did you mean load_in_4bit or load_in_8bit?)",
         "c.py: tokenizer.padding_sid: AutoTokenizer.from_pretrained takes no argument `padding_sid` (did you mean "
         "padding_side?)",
-        "c.py: train_dataloader.dataset.dataset.splt: load_data_path takes no argument `splt` (did you mean split?)",
+        "c.py: train_dataloader.dataset.dataset.dataset.splt: load_data_path takes no argument `splt` (did you mean split?)",
         "c.py: train_dataloader.dataset.template_map_fn.templat: template_map_fn_factory takes no argument "
         "`templat` (did you mean template?)",
         "c.py: train_dataloader.collate_fn.use_varlen_atn: default_collate_fn takes no argument `use_varlen_atn` "
@@ -52,7 +52,7 @@ def test_kwargs_that_are_no_typo_pass_where_the_callable_takes_any():
     """from_pretrained hands unknown names to the model's config (rope_scaling, use_cache, ...), and
     load_dataset to its reader: only a near miss of a known name is reported there."""
     options = ["model.llm.use_cache=False", "model.llm.rope_scaling=None", "model.llm.attn_implementation=eager",
-               "train_dataloader.dataset.dataset.split=train", "train_dataloader.dataset.dataset.field=rows",
+               "train_dataloader.dataset.dataset.dataset.split=train", "train_dataloader.dataset.dataset.dataset.field=rows",
                "tokenizer.model_max_length=512"]
     assert validate_config(load_config(NAME, options), "c.py") == []
     # Taken out of the node before the call: by mmengine (priority) or sfttool's non-finite loss guard.
@@ -107,7 +107,7 @@ def test_train_stops_at_validation_before_the_data_is_loaded(recorded_loads, tmp
 def test_a_missing_data_file_is_reported_at_validation_naming_data_path(tiny_sft_jsonl):
     assert validate_config(load_config(NAME, [f"data_path={tiny_sft_jsonl}"]), "c.py") == []
     assert validate_config(load_config(NAME, ["data_path=/data/missing.jsonl"]), "c.py") == [
-        "c.py: train_dataloader.dataset.dataset.path: data_path '/data/missing.jsonl': no such file or folder; "
+        "c.py: train_dataloader.dataset.dataset.dataset.path: data_path '/data/missing.jsonl': no such file or folder; "
         "set data_path (PART 1 of the config) to your data file, a folder or a glob, or a dataset name on the hub"]
 
 
