@@ -1,0 +1,122 @@
+"""LM head + cross-entropy over chunks of trained positions (see docs/model.md).
+
+With a 150k-token vocabulary the logits of a 4k-token row take 2.3 GiB in
+float32, and autograd keeps three such buffers alive at the start of backward
+(the saved log-softmax, the gradient from the loss, the gradient of the
+logits). Here the ``[n, vocab]`` logits exist for one chunk of positions at a
+time: forward computes each chunk's loss *and* its gradients (softmax minus
+one-hot, times the token's weight), accumulates ``d loss / d hidden`` and
+``d loss / d weight``, and frees the chunk. Backward only scales those by the
+incoming gradient. The matmul count equals the unchunked loss (three per
+position: logits, grad of hidden, grad of weight), so time does not grow.
+
+Float32 exists only inside a chunk: the head runs in the model's dtype, its
+output is upcast, exactly as ``summed_loss`` upcasts the full logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 512  # positions: 512 x 151,936 x 4 B = 297 MiB of float32 logits per chunk
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 targets: torch.Tensor, token_weights: torch.Tensor | None,
+                                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """``sum_i w_i * CE(hidden_i @ weight.T + bias, targets_i)`` in float32.
+
+    ``hidden`` [n, d] (trained positions only), ``weight`` [vocab, d], ``bias``
+    [vocab] or None, ``targets`` [n], ``token_weights`` [n] float32 or None (all 1).
+    """
+    weights = token_weights if token_weights is not None else hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not grads:
+        return _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, None)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, weights, chunk_size)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Gradients are computed in forward, chunk by chunk; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, weights, chunk_size):
+        want = ctx.needs_input_grad[:3]  # hidden, weight, bias
+        total, (grad_h, grad_w, grad_b) = _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want)
+        # d/d(weight) is weight-sized: keep it in the weight's dtype until backward (half the memory in bf16).
+        grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype), grad_b)
+        ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
+        ctx.have = [g is not None for g in grads]
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        out = []
+        for grad, have, dtype in zip(ctx.saved_tensors, ctx.have, ctx.dtypes):
+            out.append((grad * grad_total).to(dtype) if have else None)
+        return (*out, None, None, None)
+
+
+def _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want):
+    """The summed loss, and (when ``want`` names any) the float32 gradients of
+    the sum with respect to hidden, weight and bias."""
+    want_h, want_w, want_b = want if want is not None else (False, False, False)
+    grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start:start + chunk_size]  # [c, d]
+        t, w = targets[start:start + chunk_size], weights[start:start + chunk_size]
+        loss, probs = _chunk_loss(h, weight, bias, t, w, keep_probs=want is not None)
+        total += loss
+        if want is None:
+            continue
+        g = probs.to(weight.dtype)  # [c, vocab] d(sum)/d(logits), in the head's dtype as autograd would have it
+        if want_h:
+            grad_h[start:start + chunk_size] = g.mm(weight).float()
+        if want_w and g.dtype == torch.float32:
+            grad_w.addmm_(g.t(), h)  # no weight-sized temporary
+        elif want_w:
+            grad_w += g.t().mm(h).float()
+        if want_b:
+            grad_b += probs.sum(0)
+    return total, (grad_h, grad_w, grad_b)
+
+
+def _chunk_loss(h, weight, bias, t, w, keep_probs: bool):
+    """Weighted CE sum of one chunk; with ``keep_probs`` also its logits'
+    gradient (softmax - one-hot) * w, built in place in the logits buffer."""
+    logits = F.linear(h, weight, bias).float()  # [c, vocab]: the one logits-sized buffer
+    picked = logits.gather(1, t[:, None]).squeeze(1)  # [c]
+    peak = logits.amax(1, keepdim=True)
+    probs = logits.sub_(peak).exp_()  # unnormalised, in place
+    norm = probs.sum(1, keepdim=True)
+    lse = norm.log().add_(peak).squeeze(1)  # [c] log-sum-exp
+    loss = ((lse - picked) * w).sum()
+    if not keep_probs:
+        return loss, None
+    probs.div_(norm)
+    probs[torch.arange(t.shape[0], device=t.device), t] -= 1
+    return loss, probs.mul_(w[:, None])
+
+
+def checkpointed_head_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                                    token_weights: torch.Tensor | None,
+                                    chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """The same sum for any head module (a LoRA-wrapped or ``modules_to_save``
+    head): each chunk runs the module under activation checkpointing, so its
+    logits are recomputed in backward instead of kept."""
+    weights = token_weights if token_weights is not None else hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(_module_chunk_loss, head, hidden[start:end], targets[start:end],
+                                   weights[start:end], use_reentrant=False)
+    return total
+
+
+def _module_chunk_loss(head, h, t, w):
+    return (F.cross_entropy(head(h).float(), t, reduction="none") * w).sum()

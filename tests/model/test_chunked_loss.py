@@ -1,0 +1,199 @@
+"""The chunked loss (the default) equals the unchunked one, and never holds the
+logits of more than one chunk of positions.
+
+Loss and gradients are compared in float32 to 1e-5 relative (largest
+difference over the largest value) for full, LoRA and QLoRA fine-tuning, packed
+and unpacked rows, both reductions, tied and untied embeddings.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sfttool.errors import SfttoolError
+from sfttool.model import loss as L
+from sfttool.model.chunked_loss import DEFAULT_CHUNK_SIZE
+from sfttool.model.lm_head import split_lm
+from sfttool.registry import ConfigBuildError
+
+RTOL = 1e-5
+CHUNK = 5  # positions: every batch below spans several chunks, the last one partial
+
+
+def lora(**kwargs):
+    from peft import LoraConfig
+
+    return dict(type=LoraConfig, r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **kwargs)
+
+
+def build(method, model_dir, make_sft):
+    if method == "full":
+        return make_sft(model_dir)
+    if method == "lora":
+        return make_sft(model_dir, lora=lora())
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    quant = dict(type=BitsAndBytesConfig, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                 bnb_4bit_compute_dtype="torch.float32")
+    from sfttool.model import SupervisedFinetune
+
+    torch.manual_seed(0)
+    llm = dict(type="transformers.AutoModelForCausalLM.from_pretrained", pretrained_model_name_or_path=str(model_dir),
+               dtype="float32", quantization_config=quant)
+    return SupervisedFinetune(llm=llm, lora=lora(), use_activation_checkpointing=False)
+
+
+def layouts(rows):
+    """Packed (several samples a row, one row padded) and unpacked (one sample a row, padded)."""
+    samples = rows.make_samples(6, seed=41, lengths=(4, 15))
+    return {"packed": rows.collate([rows.pack(samples[:4]), rows.pack(samples[4:])]),
+            "unpacked": rows.collate([rows.as_row(s) for s in samples])}
+
+
+def loss_and_grads(model, data, implementation):
+    model.loss_implementation = implementation
+    model.zero_grad()
+    loss = model({**data, "loss_normalizer": 7.0}, mode="loss")["loss"]
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def relative(got, want) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def assert_same_as_unchunked(model, data):
+    want_loss, want_grads = loss_and_grads(model, data, "unchunked")
+    loss, grads = loss_and_grads(model, data, "chunked")  # leaves the model on its default
+    assert relative(loss, want_loss) <= RTOL
+    assert len(grads) == len(want_grads) > 0
+    for got, want in zip(grads, want_grads):
+        assert want.abs().max() > 0 and relative(got, want) <= RTOL
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_chunked_equals_unchunked(method, tied, tiny_llama_dir, tiny_tied_qwen2_dir, make_sft, rows):
+    model = build(method, tiny_tied_qwen2_dir if tied else tiny_llama_dir, make_sft)
+    model.loss_chunk_size = CHUNK
+    parts, _ = split_lm(model.llm)
+    assert parts.plain_linear  # the fast path: the head's weight applied chunk by chunk
+    assert (parts.head.weight is model.llm.get_input_embeddings().weight) == tied
+    for layout, data in layouts(rows).items():
+        assert L.count_loss_units(data["labels"], data["position_ids"]) > 3 * CHUNK, layout  # trained tokens
+        for reduction in ("token", "sample"):
+            model.loss_reduction = reduction
+            assert_same_as_unchunked(model, data)
+
+
+def test_a_lora_wrapped_head_runs_chunk_by_chunk_too(tiny_llama_dir, make_sft, rows):
+    model = make_sft(tiny_llama_dir, lora=lora(target_modules=["q_proj", "v_proj", "lm_head"]))
+    model.loss_chunk_size = CHUNK
+    assert not split_lm(model.llm)[0].plain_linear  # peft's lora.Linear: checkpointed per chunk
+    data = layouts(rows)["packed"]
+    for reduction in ("token", "sample"):
+        model.loss_reduction = reduction
+        assert_same_as_unchunked(model, data)
+    assert largest_logits_rows(model, data, model.llm.config.vocab_size) == CHUNK
+
+
+def test_flattened_batch_gives_the_same_chunked_loss(tiny_llama_dir, make_sft, rows):
+    """With flash-attention the batch runs as one row; the hidden states come back per row."""
+    model = make_sft(tiny_llama_dir, loss_chunk_size=CHUNK)
+    data = layouts(rows)["packed"]
+    want = model(data, mode="loss")["loss"]
+    model.flatten_batch = True
+    assert relative(model(data, mode="loss")["loss"], want) <= RTOL
+
+
+class _LogitsRows(TorchDispatchMode):
+    """Records the rows of every tensor an op allocates (views excluded) whose last
+    dimension is the vocabulary."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == self.vocab and not func.is_view:
+                self.rows.append(t.shape[0])
+        return out
+
+
+def largest_logits_rows(model, data, vocab: int) -> int:
+    """The most positions whose logits (or their gradient) existed at once, forward and backward."""
+    model.zero_grad()
+    with _LogitsRows(vocab) as seen:
+        model(data, mode="loss")["loss"].backward()
+    return max(seen.rows)
+
+
+def test_never_more_than_one_chunk_of_logits(tiny_llama_dir, make_sft, rows):
+    model = make_sft(tiny_llama_dir, loss_chunk_size=CHUNK)
+    vocab = model.llm.config.vocab_size
+    data = layouts(rows)["packed"]
+    n = model.count_loss_units(data)
+    assert largest_logits_rows(model, data, vocab) == CHUNK
+    model.loss_implementation = "unchunked"  # the check sees the full [n, vocab] logits when they exist
+    assert largest_logits_rows(model, data, vocab) == n > 3 * CHUNK
+
+
+def test_default_is_chunked(tiny_llama_dir, make_sft):
+    model = make_sft(tiny_llama_dir)
+    assert (model.loss_implementation, model.loss_chunk_size) == ("chunked", DEFAULT_CHUNK_SIZE) == ("chunked", 512)
+
+
+def test_without_grad_the_chunked_loss_is_the_same(tiny_llama_dir, make_sft, rows):
+    model = make_sft(tiny_llama_dir, loss_chunk_size=CHUNK)
+    data = layouts(rows)["unpacked"]
+    with torch.no_grad():
+        got = model(data, mode="loss")["loss"]
+        model.loss_implementation = "unchunked"
+        want = model(data, mode="loss")["loss"]
+    assert not got.requires_grad and relative(got, want) <= RTOL
+
+
+def test_models_that_transform_their_logits_keep_the_full_logits_path(tiny_llama_dir, make_sft, rows):
+    model = make_sft(tiny_llama_dir, loss_chunk_size=CHUNK)
+    model.llm.config.final_logit_softcapping = 30.0  # as Gemma 2 sets it (Llama itself ignores it)
+    parts, why = split_lm(model.llm)
+    assert parts is None and why == "LlamaForCausalLM transforms its logits (final_logit_softcapping)"
+    data = layouts(rows)["packed"]
+    assert largest_logits_rows(model, data, model.llm.config.vocab_size) == model.count_loss_units(data)
+
+
+@pytest.mark.parametrize("name, extra", [("liger", "liger"), ("cut_cross_entropy", "cce")])
+def test_a_missing_fused_kernel_names_its_extra(name, extra, tiny_llama_dir, make_sft):
+    import importlib.util
+
+    from sfttool.model.fused_loss import KERNELS, LossKernelMissingError
+
+    if importlib.util.find_spec(KERNELS[name][0]) is not None:
+        pytest.skip(f"{KERNELS[name][2]} is installed")
+    with pytest.raises(LossKernelMissingError) as info:
+        make_sft(tiny_llama_dir, loss_implementation=name)
+    message = str(info.value)
+    assert isinstance(info.value, SfttoolError) and "\n" not in message
+    assert message.startswith(f"model.loss_implementation={name!r} needs the {KERNELS[name][2]} package")
+    assert message.endswith(f"pip install 'sfttool[{extra}]', or set model.loss_implementation='chunked'")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(loss_implementation="fused"), "model.loss_implementation must be one of ('chunked', 'unchunked', "
+                                        "'liger', 'cut_cross_entropy'), got 'fused'"),
+    (dict(loss_chunk_size=0), "model.loss_chunk_size must be a positive integer (positions per chunk, "
+                              "default 512), got 0"),
+    (dict(loss_chunk_size=True), "model.loss_chunk_size must be a positive integer (positions per chunk, "
+                                 "default 512), got True"),
+    (dict(loss_implementation="liger", loss_reduction="sample"),
+     "model.loss_implementation='liger' supports loss_reduction='token' only; "
+     "use loss_implementation='chunked' or 'cut_cross_entropy' for 'sample'"),
+])
+def test_bad_loss_settings_are_one_line_errors(kwargs, message, tiny_llama_dir, make_sft):
+    with pytest.raises(ConfigBuildError) as info:
+        make_sft(tiny_llama_dir, **kwargs)
+    assert str(info.value) == message
