@@ -197,3 +197,15 @@ def test_bad_loss_settings_are_one_line_errors(kwargs, message, tiny_llama_dir, 
     with pytest.raises(ConfigBuildError) as info:
         make_sft(tiny_llama_dir, **kwargs)
     assert str(info.value) == message
+
+
+def test_the_extras_the_errors_name_exist():
+    import tomllib
+    from pathlib import Path
+
+    from sfttool.model.fused_loss import KERNELS
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for _, extra, package in KERNELS.values():
+        assert [req.split(">")[0] for req in extras[extra]] == [package]
