@@ -200,8 +200,12 @@ def test_bad_loss_settings_are_one_line_errors(kwargs, message, tiny_llama_dir, 
 
 
 def test_the_extras_the_errors_name_exist():
-    import tomllib
     from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
 
     from sfttool.model.fused_loss import KERNELS
 
