@@ -52,9 +52,16 @@ def _config_value(config: Any, name: str) -> Any:
 @contextlib.contextmanager
 def gathered(*params: torch.Tensor | None):
     """Make ZeRO-3 partitioned parameters whole for the block, once (not per
-    chunk); a no-op for ordinary parameters. Gradients computed meanwhile
-    reach DeepSpeed's reduce hooks as usual when autograd accumulates them."""
-    partitioned = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    chunk); a no-op for ordinary parameters.
+
+    Inside DeepSpeed's forward, reading ``head.weight`` has already gathered it
+    (DeepSpeed registers it as an external parameter of the running module and
+    releases it with that module), so only parameters still partitioned are
+    gathered here. Gradients computed meanwhile reach DeepSpeed's reduce hooks
+    as usual when autograd accumulates them.
+    """
+    partitioned = [p for p in params if p is not None and getattr(p, "ds_status", None) is not None
+                   and p.ds_status.name == "NOT_AVAILABLE"]
     if not partitioned:
         yield
         return

@@ -213,3 +213,33 @@ def test_the_extras_the_errors_name_exist():
         "optional-dependencies"]
     for _, extra, package in KERNELS.values():
         assert [req.split(">")[0] for req in extras[extra]] == [package]
+
+
+@pytest.mark.slow
+def test_zero3_chunked_equals_unchunked_and_gathers_the_head_once(tmp_path, tiny_llama_dir):
+    """Two CPU ranks over gloo, every parameter partitioned (zero3_loss_worker.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed")
+    worker = Path(__file__).with_name("zero3_loss_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker),
+                           str(tiny_llama_dir), str(tmp_path)], env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for steps in ranks:
+        assert [s["implementation"] for s in steps.values()] == ["chunked", "chunked", "unchunked"]
+        # The head's weight: gathered once per chunked step (not once per chunk of the
+        # 5-position chunks), where the head module gathers it for forward and again for backward.
+        assert [s["head_gathers"] for s in steps.values()] == [1, 1, 2]
+        chunked, unchunked = steps[1], steps[2]
+        assert relative(chunked["loss"], unchunked["loss"]) <= RTOL
+        for name, want in unchunked["grads"].items():
+            assert want.abs().max() > 0 and relative(chunked["grads"][name], want) <= RTOL, name
+    for name, grad in ranks[0][1]["grads"].items():  # reduced over both ranks' rows
+        assert torch.equal(grad, ranks[1][1]["grads"][name]), name
+    assert ranks[0][1]["loss"] != ranks[1][1]["loss"]  # each rank had its own rows
