@@ -44,18 +44,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, weights, chunk_size):
         want = ctx.needs_input_grad[:3]  # hidden, weight, bias
         total, (grad_h, grad_w, grad_b) = _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want)
-        # d/d(weight) is weight-sized: keep it in the weight's dtype until backward (half the memory in bf16).
-        grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype), grad_b)
-        ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
-        ctx.have = [g is not None for g in grads]
+        # Kept on ctx, not saved for backward: backward scales them in place and hands
+        # them over, so no second weight-sized buffer exists. d/d(weight) waits in the
+        # weight's dtype (half the memory in bf16).
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype), grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        out = []
-        for grad, have, dtype in zip(ctx.saved_tensors, ctx.have, ctx.dtypes):
-            out.append((grad * grad_total).to(dtype) if have else None)
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("the chunked loss hands its gradients over once: backward(retain_graph=True) "
+                               "twice through it is not supported")
+        out = [None if g is None else g.mul_(grad_total.to(g.dtype)).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
         return (*out, None, None, None)
 
 

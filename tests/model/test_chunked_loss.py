@@ -243,3 +243,29 @@ def test_zero3_chunked_equals_unchunked_and_gathers_the_head_once(tmp_path, tiny
     for name, grad in ranks[0][1]["grads"].items():  # reduced over both ranks' rows
         assert torch.equal(grad, ranks[1][1]["grads"][name]), name
     assert ranks[0][1]["loss"] != ranks[1][1]["loss"]  # each rank had its own rows
+
+
+def test_the_function_with_a_bias_and_token_weights_matches_autograd():
+    from sfttool.model.chunked_loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden, weight, bias = (torch.randn(37, 16, requires_grad=True), torch.randn(101, 16, requires_grad=True),
+                            torch.randn(101, requires_grad=True))
+    targets, token_weights = torch.randint(0, 101, (37,)), torch.rand(37)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    want = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * token_weights).sum()
+    want_grads = torch.autograd.grad(want * 0.3, [hidden, weight, bias])
+    got = chunked_linear_cross_entropy(hidden, weight, bias, targets, token_weights, chunk_size=8)
+    got_grads = torch.autograd.grad(got * 0.3, [hidden, weight, bias])
+    assert relative(got, want) <= RTOL
+    assert all(relative(g, w) <= RTOL for g, w in zip(got_grads, want_grads))
+
+
+def test_a_second_backward_through_the_chunked_loss_is_refused():
+    from sfttool.model.chunked_loss import chunked_linear_cross_entropy
+
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    loss = chunked_linear_cross_entropy(hidden, weight, None, torch.arange(1, 7), None, chunk_size=4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        loss.backward()
