@@ -79,10 +79,10 @@ def _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want):
         g = probs.to(weight.dtype)  # [c, vocab] d(sum)/d(logits), in the head's dtype as autograd would have it
         if want_h:
             grad_h[start:start + chunk_size] = g.mm(weight).float()
-        if want_w and g.dtype == torch.float32:
+        if want_w and g.dtype == h.dtype == torch.float32:
             grad_w.addmm_(g.t(), h)  # no weight-sized temporary
-        elif want_w:
-            grad_w += g.t().mm(h).float()
+        elif want_w:  # bf16 head, or bf16 hidden states into a float32 head under autocast
+            grad_w += g.t().mm(h.to(g.dtype)).float()
         if want_b:
             grad_b += probs.sum(0)
     return total, (grad_h, grad_w, grad_b)

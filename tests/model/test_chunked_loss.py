@@ -269,3 +269,24 @@ def test_a_second_backward_through_the_chunked_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True"):
         loss.backward()
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_under_bf16_autocast_it_follows_autograd(hidden_dtype):
+    """As on a GPU under AmpOptimWrapper: the head runs in bf16 (a QLoRA head kept in
+    float32 receives bf16 hidden states). bf16 matmuls: compared to 1e-2."""
+    from sfttool.model.chunked_loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 32).to(hidden_dtype).requires_grad_(True)
+    weight = (torch.randn(300, 32) * 0.3).requires_grad_(True)
+    targets = torch.randint(0, 300, (40,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets,
+                                                 reduction="sum")
+        got = chunked_linear_cross_entropy(hidden, weight, None, targets, None, chunk_size=16)
+    want_grads = torch.autograd.grad(want, [hidden, weight])
+    got_grads = torch.autograd.grad(got, [hidden, weight])
+    assert got.dtype == torch.float32 and relative(got, want) <= 1e-2
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype and relative(g.float(), w.float()) <= 1e-2
