@@ -157,11 +157,18 @@ def test_without_grad_the_chunked_loss_is_the_same(tiny_llama_dir, make_sft, row
     assert not got.requires_grad and relative(got, want) <= RTOL
 
 
-def test_models_that_transform_their_logits_keep_the_full_logits_path(tiny_llama_dir, make_sft, rows):
-    model = make_sft(tiny_llama_dir, loss_chunk_size=CHUNK)
-    model.llm.config.final_logit_softcapping = 30.0  # as Gemma 2 sets it (Llama itself ignores it)
-    parts, why = split_lm(model.llm)
-    assert parts is None and why == "LlamaForCausalLM transforms its logits (final_logit_softcapping)"
+def test_models_that_transform_their_logits_keep_the_full_logits_path(tiny_llama_dir, rows, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.model import SupervisedFinetune
+
+    llm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    llm.config.final_logit_softcapping = 30.0  # as Gemma 2 sets it (Llama itself ignores it)
+    with caplog.at_level("WARNING", logger="sfttool.model.sft"):
+        model = SupervisedFinetune(llm=llm, use_activation_checkpointing=False, loss_chunk_size=CHUNK)
+    assert caplog.messages == ["model.loss_implementation='chunked': LlamaForCausalLM transforms its logits "
+                               "(final_logit_softcapping), so the loss computes all trained positions' logits at once"]
+    assert split_lm(model.llm)[0] is None
     data = layouts(rows)["packed"]
     assert largest_logits_rows(model, data, model.llm.config.vocab_size) == model.count_loss_units(data)
 
