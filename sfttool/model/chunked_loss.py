@@ -30,11 +30,15 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
     ``hidden`` [n, d] (trained positions only), ``weight`` [vocab, d], ``bias``
     [vocab] or None, ``targets`` [n], ``token_weights`` [n] float32 or None (all 1).
     """
-    weights = token_weights if token_weights is not None else hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    weights = _weights_or_ones(token_weights, hidden)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not grads:
         return _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, None)[0]
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, weights, chunk_size)
+
+
+def _weights_or_ones(token_weights: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+    return token_weights if token_weights is not None else hidden.new_ones(hidden.shape[0], dtype=torch.float32)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -111,7 +115,7 @@ def checkpointed_head_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor,
     """The same sum for any head module (a LoRA-wrapped or ``modules_to_save``
     head): each chunk runs the module under activation checkpointing, so its
     logits are recomputed in backward instead of kept."""
-    weights = token_weights if token_weights is not None else hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    weights = _weights_or_ones(token_weights, hidden)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
