@@ -33,8 +33,20 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
     weights = _weights_or_ones(token_weights, hidden)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not grads:
-        return _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, None)[0]
+        return (_chunk_losses(hidden, weight, bias, targets, weights, chunk_size, None)[0] * weights).sum()
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, weights, chunk_size)
+
+
+def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """``log p(targets_i | hidden_i)`` for every position, [n] float32, for
+    losses that are not a weighted sum of token losses (preference losses
+    take per-sequence sums of these). One chunk of logits at a time; backward
+    recomputes each chunk's logits, since each token's incoming gradient is
+    only known then. The head's weight must stay whole until backward (not
+    for ZeRO-3 partitioned heads).
+    """
+    return _ChunkedTokenLogProbs.apply(hidden, weight, bias, targets, chunk_size)
 
 
 def _weights_or_ones(token_weights: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
@@ -47,13 +59,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, chunk_size):
         want = ctx.needs_input_grad[:3]  # hidden, weight, bias
-        total, (grad_h, grad_w, grad_b) = _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want)
+        token_ce, (grad_h, grad_w, grad_b) = _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want)
         # Kept on ctx, not saved for backward: backward scales them in place and hands
         # them over, so no second weight-sized buffer exists. d/d(weight) waits in the
         # weight's dtype (half the memory in bf16).
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype), grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total
+        return (token_ce * weights).sum()
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -65,48 +77,68 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*out, None, None, None)
 
 
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Forward keeps no logits; backward recomputes them chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.chunk_size = chunk_size
+        return -_chunk_losses(hidden, weight, bias, targets, None, chunk_size, None)[0]
+
+    @staticmethod
+    def backward(ctx, grad_log_probs):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        want = ctx.needs_input_grad[:3]
+        # d(sum_i g_i log p_i) = d(sum_i (-g_i) CE_i): the weighted-CE gradients with weights -g.
+        _, grads = _chunk_losses(hidden, weight, bias, targets, -grad_log_probs.float(), ctx.chunk_size, want)
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return (*[None if g is None else g.to(dt) for g, dt in zip(grads, dtypes)], None, None)
+
+
 def _chunk_losses(hidden, weight, bias, targets, weights, chunk_size, want):
-    """The summed loss, and (when ``want`` names any) the float32 gradients of
-    the sum with respect to hidden, weight and bias."""
+    """Per-token CE [n] float32, and (when ``want`` names any) the float32
+    gradients of ``sum_i weights_i * CE_i`` with respect to hidden, weight and bias."""
     want_h, want_w, want_b = want if want is not None else (False, False, False)
     grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    token_ce = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [n]
+    grad_weights = weights if want_h or want_w or want_b else None
     for start in range(0, hidden.shape[0], chunk_size):
-        h = hidden[start:start + chunk_size]  # [c, d]
-        t, w = targets[start:start + chunk_size], weights[start:start + chunk_size]
-        loss, probs = _chunk_loss(h, weight, bias, t, w, keep_probs=want is not None)
-        total += loss
-        if want is None:
+        end = start + chunk_size
+        h, t = hidden[start:end], targets[start:end]  # [c, d], [c]
+        w = grad_weights[start:end] if grad_weights is not None else None
+        token_ce[start:end], probs = _chunk_loss(h, weight, bias, t, w)
+        if probs is None:
             continue
         g = probs.to(weight.dtype)  # [c, vocab] d(sum)/d(logits), in the head's dtype as autograd would have it
         if want_h:
-            grad_h[start:start + chunk_size] = g.mm(weight).float()
+            grad_h[start:end] = g.mm(weight).float()
         if want_w and g.dtype == h.dtype == torch.float32:
             grad_w.addmm_(g.t(), h)  # no weight-sized temporary
         elif want_w:  # bf16 head, or bf16 hidden states into a float32 head under autocast
             grad_w += g.t().mm(h.to(g.dtype)).float()
         if want_b:
             grad_b += probs.sum(0)
-    return total, (grad_h, grad_w, grad_b)
+    return token_ce, (grad_h, grad_w, grad_b)
 
 
-def _chunk_loss(h, weight, bias, t, w, keep_probs: bool):
-    """Weighted CE sum of one chunk; with ``keep_probs`` also its logits'
-    gradient (softmax - one-hot) * w, built in place in the logits buffer."""
+def _chunk_loss(h, weight, bias, t, grad_weights):
+    """Per-token CE [c] of one chunk; given ``grad_weights`` [c], also the
+    gradient of ``sum_i grad_weights_i * CE_i`` with respect to the logits,
+    (softmax - one-hot) * w, built in place in the logits buffer."""
     logits = F.linear(h, weight, bias).float()  # [c, vocab]: the one logits-sized buffer
     picked = logits.gather(1, t[:, None]).squeeze(1)  # [c]
     peak = logits.amax(1, keepdim=True)
     probs = logits.sub_(peak).exp_()  # unnormalised, in place
     norm = probs.sum(1, keepdim=True)
-    lse = norm.log().add_(peak).squeeze(1)  # [c] log-sum-exp
-    loss = ((lse - picked) * w).sum()
-    if not keep_probs:
-        return loss, None
+    ce = norm.log().add_(peak).squeeze(1) - picked  # [c] log-sum-exp minus the target's logit
+    if grad_weights is None:
+        return ce, None
     probs.div_(norm)
     probs[torch.arange(t.shape[0], device=t.device), t] -= 1
-    return loss, probs.mul_(w[:, None])
+    return ce, probs.mul_(grad_weights[:, None])
 
 
 def checkpointed_head_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,

@@ -297,3 +297,27 @@ def test_under_bf16_autocast_it_follows_autograd(hidden_dtype):
     assert got.dtype == torch.float32 and relative(got, want) <= 1e-2
     for g, w in zip(got_grads, want_grads):
         assert g.dtype == w.dtype and relative(g.float(), w.float()) <= 1e-2
+
+
+def test_per_token_log_probs_match_autograd_for_any_upstream_gradient():
+    """What a preference loss needs: log p per token, then a non-linear function of their sums."""
+    from sfttool.model.chunked_loss import chunked_token_log_probs
+
+    torch.manual_seed(0)
+    hidden, weight, bias = (torch.randn(37, 16, requires_grad=True), torch.randn(101, 16, requires_grad=True),
+                            torch.randn(101, requires_grad=True))
+    targets, seq = torch.randint(0, 101, (37,)), torch.arange(37) % 3  # three "sequences"
+
+    def dpo_like(log_probs):
+        sums = torch.zeros(3).index_add(0, seq, log_probs)
+        return torch.nn.functional.logsigmoid(sums[0] - 0.5 * sums[1] + 0.25 * sums[2])
+
+    want_lp = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias), -1).gather(1, targets[:, None])[:, 0]
+    want_grads = torch.autograd.grad(dpo_like(want_lp), [hidden, weight, bias])
+    got_lp = chunked_token_log_probs(hidden, weight, bias, targets, chunk_size=8)
+    got_grads = torch.autograd.grad(dpo_like(got_lp), [hidden, weight, bias])
+    assert got_lp.shape == (37,) and relative(got_lp, want_lp) <= RTOL
+    assert all(relative(g, w) <= RTOL for g, w in zip(got_grads, want_grads))
+    with _LogitsRows(101) as seen:
+        chunked_token_log_probs(hidden, weight, bias, targets, chunk_size=8).sum().backward()
+    assert max(seen.rows) == 8
