@@ -88,10 +88,13 @@ def test_chunked_equals_unchunked(method, tied, tiny_llama_dir, tiny_tied_qwen2_
             assert_same_as_unchunked(model, data)
 
 
-def test_a_lora_wrapped_head_runs_chunk_by_chunk_too(tiny_llama_dir, make_sft, rows):
-    model = make_sft(tiny_llama_dir, lora=lora(target_modules=["q_proj", "v_proj", "lm_head"]))
+@pytest.mark.parametrize("head", [dict(target_modules=["q_proj", "v_proj", "lm_head"]),
+                                  dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])],
+                         ids=["lora_on_head", "modules_to_save"])
+def test_a_wrapped_head_runs_chunk_by_chunk_too(head, tiny_llama_dir, make_sft, rows):
+    model = make_sft(tiny_llama_dir, lora=lora(**head))
     model.loss_chunk_size = CHUNK
-    assert not split_lm(model.llm)[0].plain_linear  # peft's lora.Linear: checkpointed per chunk
+    assert not split_lm(model.llm)[0].plain_linear  # a peft wrapper: the module runs checkpointed per chunk
     data = layouts(rows)["packed"]
     for reduction in ("token", "sample"):
         model.loss_reduction = reduction
