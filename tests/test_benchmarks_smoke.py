@@ -95,6 +95,21 @@ def test_loss_memory_benchmark(tmp_path):
     assert results["sfttool_unchunked"]["time_vs_unchunked"] == 1.0
 
 
+@pytest.mark.slow
+def test_tokenizer_limit_benchmark(tmp_path):
+    out = tmp_path / "tokenizer_limit.json"
+    run([sys.executable, str(BENCH / "tokenizer_limit.py"), "--rows", "40", "--cores", "1", "--out", str(out)],
+        tmp_path)
+    report = json.loads(out.read_text())
+    results = {r["case"]: r for r in report["results"]}
+    assert set(results) == {"limit", "map_packed", "map_unpacked", "stream_packed", "stream_unpacked"}
+    assert results["limit"]["fraction_of_limit"] == 1.0
+    pipeline_tokens = {r["tokens"] for case, r in results.items() if case != "limit"}
+    assert len(pipeline_tokens) == 1  # map-style and stream, packed or not, keep every token
+    for r in results.values():
+        assert r["cores"] == 1 and r["tokens_per_s"] > 0 and 0 < r["fraction_of_limit"] <= 1.5
+
+
 def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
     pytest.importorskip("torch")
     import torch
