@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             limit = limit or r["tokens_per_s"]
             r["fraction_of_limit"] = round(r["tokens_per_s"] / limit, 3)
             results.append(r)
-            print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%}", flush=True)
+            print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%}",
+                  flush=True)
     report = {"benchmark": "tokenizer_limit", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
               timespec="seconds"), "rows": args.rows, "max_length": args.max_length, "tokenizer": tok_name,
               "machine": {"cpu_cores": os.cpu_count(), "python": platform.python_version()}, "results": results}

@@ -69,7 +69,8 @@ def main(model_dir: str, out_dir: str) -> None:
         loss = engine(data, mode="loss")["loss"]
         engine.backward(loss)
         grads = {n: safe_get_full_grad(p).detach().clone() for n, p in model.named_parameters()}
-        results[step] = {"implementation": implementation, "loss": loss.detach().clone(), "grads": grads, "head_gathers": counter[0]}
+        results[step] = {"implementation": implementation, "loss": loss.detach().clone(), "grads": grads,
+                         "head_gathers": counter[0]}
         engine.step()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
