@@ -24,17 +24,17 @@ each case's median.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from report import write_report
 
 CASES = ("transformers", "sfttool_unchunked", "sfttool_chunked", "reference_chunked")
 REFERENCE_CHUNK = 512
@@ -201,18 +201,12 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = measure(args)
     print_table(rows)
-    report = {"benchmark": "loss_memory",
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpu_cores": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform()},
-              "setup": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "length": args.length,
+    write_report(args.out, "loss_memory",
+                 setup={"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "length": args.length,
                         "dtype": "float32", "method": "full fine-tune", "threads": args.threads,
                         "repeats": args.repeats, "reference_chunk": REFERENCE_CHUNK,
                         "step": "forward + backward, first step of a fresh process for memory"},
-              "wall_s": round(time.perf_counter() - started, 1), "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+                 wall_s=round(time.perf_counter() - started, 1), results=rows)
     return 0
 
 

@@ -19,11 +19,9 @@ Each measurement runs in a fresh process pinned to 1, 2, ... cores
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from pipeline import conversations, tokenizer_dir  # noqa: E402  (the same generated rows and tokenizer)
+from report import write_report  # noqa: E402
 
 CASES = ("limit", "map_packed", "map_unpacked", "stream_packed", "stream_unpacked")
 
@@ -140,12 +139,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%}",
                   flush=True)
-    report = {"benchmark": "tokenizer_limit", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-              timespec="seconds"), "rows": args.rows, "max_length": args.max_length, "tokenizer": tok_name,
-              "machine": {"cpu_cores": os.cpu_count(), "python": platform.python_version()}, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
+                 results=results)
     return 0
 
 
