@@ -6,6 +6,10 @@ with the same ``llm``/``lora``/``quantization_config`` dicts a config uses), so 
 check covers bitsandbytes 4-bit loading, peft, activation checkpointing and the
 packed-row loss. Speed does not depend on the weight values.
 
+First the loss alone (``gpu_loss_check.py``): the LM head + cross-entropy over
+8k and 32k positions, unchunked, chunked (the default) and the fused kernels
+when installed, with time and the GPU memory each adds.
+
 Each case is (method, attention, max_length): one packed row of ``max_length``
 tokens per step (several samples, position_ids restarting at each), bf16,
 SDPA and flash-attention 2 varlen when ``flash_attn`` is installed.
@@ -32,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gpu_loss_check import run_loss_cases
 
 ARCHS = {
     # Llama-3-8B: hidden 4096, 32 layers, GQA 32/8 heads, MLP 14336, vocab 128256.
@@ -322,14 +328,17 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     folder = Path(tempfile.mkdtemp(prefix="sfttool-gpu-check-"))
     shape: dict = {}
+    loss_results: list[dict] = []
 
     def save(results: list[dict]) -> dict:
-        return write_report(args, device, shape, results, started)
+        return write_report(args, device, shape, results, started, loss_results)
 
     try:
         shape = save_random_model(args.arch, folder, device)
         print(f"{args.arch}: random weights saved in {time.perf_counter() - started:.0f} s; "
               f"device {environment(device)['device']}", flush=True)
+        loss_results += run_loss_cases(shape, device, args.dry_run)
+        save([])
         print(f"{'method':6} {'attention':18} {'length':>6} {'tokens/s':>10} {'step s':>7} {'MFU':>6} {'peak GiB':>8}")
         results = run_all(args, device, folder, shape, started, save)
     finally:
@@ -339,13 +348,14 @@ def main(argv=None) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
-def write_report(args, device, shape: dict, results: list[dict], started: float) -> dict:
+def write_report(args, device, shape: dict, results: list[dict], started: float, loss_results: list[dict]) -> dict:
     report = {"benchmark": "gpu_check", "dry_run": args.dry_run, "arch": args.arch, "shape": shape,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "environment": environment(device), "lora_r": args.lora_r, "steps": args.steps,
               "warmup": args.warmup, "batch": "1 packed row of max_length tokens per GPU",
               "peak_flops": peak_flops(args, device), "wall_s": round(time.perf_counter() - started, 1),
-              "results": results}
+              "loss_implementation": "chunked (SupervisedFinetune's default)", "results": results,
+              "loss_results": loss_results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU readiness check (< 8 min on one H200, no download): LoRA and QLoRA steps of a
+# GPU readiness check (< 8 min on one H200, no download): the loss alone (LM head +
+# cross-entropy, unchunked vs chunked vs fused kernels when installed), then LoRA and QLoRA steps of a
 # Llama-3-8B-shaped model with random weights, bf16, SDPA and flash-attention varlen
 # (when installed), packed rows of 2048 and 8192 tokens; prints tokens/s per GPU, MFU
 # and peak memory, writes gpu_check.json to $OUT (or benchmarks/results/).

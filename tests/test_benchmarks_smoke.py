@@ -73,6 +73,41 @@ def test_gpu_check_dry_run(tmp_path):
         assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["attn"] == "sdpa"
         assert r["max_length"] == 128 and r["mfu"] is None  # no GPU peak to divide by on a CPU
     assert not [r for r in report["results"] if "error" in r]
+    losses = {r["loss_implementation"]: r for r in report["loss_results"] if "loss" in r}
+    assert {"unchunked", "chunked"} <= set(losses) and losses["chunked"]["positions"] == 64
+    assert abs(losses["chunked"]["loss"] - losses["unchunked"]["loss"]) < 1e-3  # bf16 on both sides
+
+
+@pytest.mark.slow
+def test_loss_memory_benchmark(tmp_path):
+    out = tmp_path / "loss_memory.json"
+    proc = run([sys.executable, str(BENCH / "loss_memory.py"), "--vocab", "4096", "--hidden", "32", "--length", "256",
+                "--trained", "0.6", "--repeats", "1", "--out", str(out)], tmp_path)
+    assert "x unchunked" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "loss_memory" and report["setup"]["vocab"] == 4096
+    results = {r["case"]: r for r in report["results"]}
+    assert set(results) == {"transformers", "sfttool_unchunked", "sfttool_chunked", "reference_chunked"}
+    for r in results.values():
+        assert r["trained"] == 0.6 and r["step_mib"] > 0 and r["median_s"] > 0
+        assert r["loss_gap"] < 1e-4  # every case computes the same loss as plain transformers
+    assert results["reference_chunked"]["memory_vs_reference"] == 1.0
+    assert results["sfttool_unchunked"]["time_vs_unchunked"] == 1.0
+
+
+@pytest.mark.slow
+def test_tokenizer_limit_benchmark(tmp_path):
+    out = tmp_path / "tokenizer_limit.json"
+    run([sys.executable, str(BENCH / "tokenizer_limit.py"), "--rows", "40", "--cores", "1", "--out", str(out)],
+        tmp_path)
+    report = json.loads(out.read_text())
+    results = {r["case"]: r for r in report["results"]}
+    assert set(results) == {"limit", "map_packed", "map_unpacked", "stream_packed", "stream_unpacked"}
+    assert results["limit"]["fraction_of_limit"] == 1.0
+    pipeline_tokens = {r["tokens"] for case, r in results.items() if case != "limit"}
+    assert len(pipeline_tokens) == 1  # map-style and stream, packed or not, keep every token
+    for r in results.values():
+        assert r["cores"] == 1 and r["tokens_per_s"] > 0 and 0 < r["fraction_of_limit"] <= 1.5
 
 
 def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):

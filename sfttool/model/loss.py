@@ -80,3 +80,17 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, sample_of: torch.Te
     per_sample = token_loss.new_zeros(n_samples).index_add(0, dense, token_loss)
     counts = token_loss.new_zeros(n_samples).index_add(0, dense, torch.ones_like(token_loss))
     return (per_sample / counts).sum()
+
+
+def token_weights(position_ids: torch.Tensor, keep: torch.Tensor, reduction: str) -> torch.Tensor | None:
+    """Each kept position's weight in the summed loss, so that ``sum_i w_i CE_i``
+    equals ``summed_loss``: None for 'token' (all 1), 1 / (trained tokens of its
+    sample) for 'sample'.
+
+    >>> token_weights(torch.tensor([[0, 1, 2, 0, 1]]), torch.tensor([[True, True, False, True, False]]), "sample")
+    tensor([0.5000, 0.5000, 1.0000])
+    """
+    if reduction == "token":
+        return None
+    _, dense, counts = sample_ids(position_ids)[keep].unique(return_inverse=True, return_counts=True)
+    return 1.0 / counts[dense].float()  # [n]

@@ -14,6 +14,7 @@ runs as a single row.)
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections import OrderedDict
 from typing import Any
@@ -24,8 +25,14 @@ from mmengine.model import BaseModel
 from sfttool import compat
 from sfttool.model import loss as L
 from sfttool.model.build import build_llm, resize_embeddings
+from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cross_entropy,
+                                        chunked_linear_cross_entropy, chunked_token_log_probs)
+from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
+from sfttool.model.lm_head import gathered, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
+
+logger = logging.getLogger(__name__)
 
 
 @BUILDER.register_module()
@@ -43,6 +50,12 @@ class SupervisedFinetune(BaseModel):
         max_position_embeddings: stretch the context with linear RoPE scaling.
         loss_reduction: 'token' (mean over trained tokens) or 'sample' (mean of
             per-sample means).
+        loss_implementation: 'chunked' (default: the LM head and cross-entropy
+            run over ``loss_chunk_size`` trained positions at a time, so the
+            logits of a whole row never exist), 'unchunked' (all trained
+            positions' logits at once), or a fused GPU kernel: 'liger' or
+            'cut_cross_entropy' (pip extras ``liger`` / ``cce``).
+        loss_chunk_size: trained positions per chunk of the loss.
     """
 
     # sfttool.registry.build hands `llm` over as a config: build_llm fixes
@@ -51,11 +64,13 @@ class SupervisedFinetune(BaseModel):
 
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
-                 loss_reduction="token", data_preprocessor=None):
+                 loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
+                 data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
-        if loss_reduction not in L.REDUCTIONS:
-            raise ConfigBuildError(f"model.loss_reduction must be one of {L.REDUCTIONS}, got {loss_reduction!r}")
+        check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
+        self.loss_implementation = loss_implementation
+        self.loss_chunk_size = loss_chunk_size
         self.use_varlen_attn = use_varlen_attn
         llm = build_llm(llm, use_varlen_attn, max_position_embeddings)
         if tokenizer is not None:
@@ -74,6 +89,10 @@ class SupervisedFinetune(BaseModel):
             self.llm = apply_lora(llm, self.lora, use_activation_checkpointing)
         if peft_model is not None:
             self.load_peft_model(peft_model)
+        parts, why = split_lm(self.llm)
+        if parts is None and loss_implementation != "unchunked":
+            logger.warning("model.loss_implementation=%r: %s, so the loss computes all trained positions' "
+                           "logits at once", loss_implementation, why)
         self._is_init = True
 
     # -- set-up helpers ---------------------------------------------------
@@ -130,24 +149,36 @@ class SupervisedFinetune(BaseModel):
             return self._logits(data)
         raise NotImplementedError(f"mode must be 'loss', 'predict' or 'tensor', got {mode!r}")
 
-    def _run_llm(self, data: dict, logits_to_keep: Any = 0) -> torch.Tensor:
+    def _inputs(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``input_ids``, ``position_ids`` as the LLM takes them, and whether the
+        batch was flattened into one row (flash-attention)."""
         input_ids = data["input_ids"]  # [batch, seq]
         position_ids = data.get("position_ids")
         if position_ids is None:
             position_ids = L.default_position_ids(input_ids)
-        batch, seq = input_ids.shape
-        flat = self.flatten_batch and batch > 1
+        flat = self.flatten_batch and input_ids.shape[0] > 1
         if flat:  # rows start at position 0, so one long row keeps them apart
             input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-            if isinstance(logits_to_keep, torch.Tensor):
-                logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
+        return input_ids, position_ids, flat
+
+    def _run_llm(self, data: dict, logits_to_keep: Any = 0) -> torch.Tensor:
+        input_ids, position_ids, flat = self._inputs(data)
+        if flat and isinstance(logits_to_keep, torch.Tensor):
+            logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
         use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(self.llm)
         kwargs = {"logits_to_keep": logits_to_keep} if use_keep else {}
         logits = self.llm(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                           use_cache=False, **kwargs).logits
         if flat and logits.dim() == 3:
-            logits = logits.view(batch, seq, -1)
+            logits = logits.view(*data["input_ids"].shape, -1)
         return logits
+
+    def _hidden_states(self, decoder: torch.nn.Module, data: dict) -> torch.Tensor:
+        """The decoder's last hidden states [batch, seq, hidden]: the LLM without its head."""
+        input_ids, position_ids, _ = self._inputs(data)
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                         use_cache=False).last_hidden_state
+        return hidden.view(*data["input_ids"].shape, -1)
 
     def _logits(self, data: dict) -> torch.Tensor:
         return self._run_llm(data)  # [batch, seq, vocab]
@@ -161,38 +192,70 @@ class SupervisedFinetune(BaseModel):
             data = data["data"]
         return L.count_loss_units(data["labels"], data.get("position_ids"), self.loss_reduction)
 
-    def _trained_logits(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logits [n, vocab], targets [batch, seq], keep [batch, seq], position_ids)``: the logits
-        of the n positions that predict a trained token, in row-major order."""
+    def _trained_positions(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(targets [batch, seq], keep [batch, seq], position_ids)``: each position's next-token
+        target and whether it predicts a trained token."""
         labels = data["labels"]
         position_ids = data.get("position_ids")
         if position_ids is None:
             position_ids = L.default_position_ids(labels)
         targets = L.shift_targets(labels, position_ids)  # [batch, seq]
         keep = targets != L.IGNORE_INDEX  # [batch, seq] positions that predict a trained token
-        logits = self._run_llm(data, logits_to_keep=keep)
-        if logits.dim() == 3:  # the model ignored logits_to_keep: select here
-            logits = logits[keep]
-        return logits, targets, keep, position_ids
+        return targets, keep, position_ids
 
     def summed_row_losses(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of the batch: the summed token cross-entropy (float64) and the trained-token
         count, ``([batch], [batch])``. Validation adds these up over the whole set, so its loss is
-        the token mean whatever the packing, batch size or process count."""
-        logits, targets, keep, _ = self._trained_logits(data)
-        per_token = torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="none")  # [n]
-        row_of = keep.nonzero()[:, 0]  # [n] the row of each trained position (row-major, as the logits)
+        the token mean whatever the packing, batch size or process count. Chunked like the training
+        loss where the model allows it, so validation never holds a row's logits either."""
+        targets, keep, _ = self._trained_positions(data)
+        parts = split_lm(self.llm)[0] if self.loss_implementation != "unchunked" else None
+        if parts is not None and parts.plain_linear:
+            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
+            with gathered(parts.head.weight, parts.head.bias):
+                per_token = -chunked_token_log_probs(hidden, parts.head.weight, parts.head.bias, targets[keep],
+                                                     self.loss_chunk_size)  # [n]
+        else:
+            logits = self._run_llm(data, logits_to_keep=keep)
+            if logits.dim() == 3:  # the model ignored logits_to_keep: select here
+                logits = logits[keep]
+            per_token = torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="none")  # [n]
+        row_of = keep.nonzero()[:, 0]  # [n] the row of each trained position (row-major, as the hidden states)
         sums = per_token.new_zeros(keep.shape[0], dtype=torch.float64).index_add(0, row_of, per_token.double())
         return sums, keep.sum(dim=1)
 
     def compute_loss(self, data: dict) -> dict:
-        logits, targets, keep, position_ids = self._trained_logits(data)
-        sample_of = L.sample_ids(position_ids)[keep] if self.loss_reduction == "sample" else None
-        total = L.summed_loss(logits, targets[keep], sample_of)  # [n, vocab] -> scalar
+        targets, keep, position_ids = self._trained_positions(data)
+        parts = split_lm(self.llm)[0] if self.loss_implementation != "unchunked" else None
+        if parts is None:
+            total = self._unchunked_loss(data, targets, keep, position_ids)
+        else:
+            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
+            weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
+            total = self._head_loss(parts, hidden, targets[keep], weights)
         normalizer = data.get("loss_normalizer")
         if normalizer is None:
             normalizer = self.count_loss_units(data)
         return {"loss": total / max(float(normalizer), 1e-12)}
+
+    def _unchunked_loss(self, data, targets, keep, position_ids) -> torch.Tensor:
+        """The logits of every trained position at once: for models whose logits
+        are not head(hidden), and as the reference the chunked loss is tested against."""
+        logits = self._run_llm(data, logits_to_keep=keep)
+        if logits.dim() == 3:  # the model ignored logits_to_keep: select here
+            logits = logits[keep]
+        sample_of = L.sample_ids(position_ids)[keep] if self.loss_reduction == "sample" else None
+        return L.summed_loss(logits, targets[keep], sample_of)  # [n, vocab] -> scalar
+
+    def _head_loss(self, parts, hidden, targets, weights) -> torch.Tensor:
+        """Head + CE summed over trained positions, never all their logits at once."""
+        if not parts.plain_linear:  # e.g. a LoRA-wrapped head: run the module itself per chunk
+            return checkpointed_head_cross_entropy(parts.head, hidden, targets, weights, self.loss_chunk_size)
+        weight, bias = parts.head.weight, parts.head.bias
+        with gathered(weight, bias):  # ZeRO-3: gather the head once per step, not once per chunk
+            if self.loss_implementation == "chunked":
+                return chunked_linear_cross_entropy(hidden, weight, bias, targets, weights, self.loss_chunk_size)
+            return fused_linear_cross_entropy(self.loss_implementation, hidden, weight, bias, targets, weights)
 
     # -- checkpoints ------------------------------------------------------
 
@@ -207,6 +270,21 @@ class SupervisedFinetune(BaseModel):
             destination.update(state)
             return destination
         return state
+
+
+def check_loss_settings(reduction: str, implementation: str, chunk_size: Any) -> None:
+    if reduction not in L.REDUCTIONS:
+        raise ConfigBuildError(f"model.loss_reduction must be one of {L.REDUCTIONS}, got {reduction!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigBuildError(f"model.loss_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigBuildError(f"model.loss_chunk_size must be a positive integer (positions per chunk, "
+                               f"default {DEFAULT_CHUNK_SIZE}), got {chunk_size!r}")
+    if implementation == "liger" and reduction != "token":
+        raise ConfigBuildError("model.loss_implementation='liger' supports loss_reduction='token' only; "
+                               "use loss_implementation='chunked' or 'cut_cross_entropy' for 'sample'")
+    if implementation in ("liger", "cut_cross_entropy"):
+        require_kernel(implementation)
 
 
 def _is_zero(value: Any) -> bool:

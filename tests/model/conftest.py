@@ -71,3 +71,20 @@ def rows():
     from types import SimpleNamespace
 
     return SimpleNamespace(make_samples=make_samples, pack=pack, as_row=as_row, collate=collate)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_qwen2_dir(tmp_path_factory, tiny_qwen2_dir):
+    """The tiny Qwen2 with ``tie_word_embeddings=True``: one matrix is both the
+    input embeddings and the LM head."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_qwen2_dir)
+    config.tie_word_embeddings = True
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    folder = tmp_path_factory.mktemp("tiny_tied_qwen2")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_qwen2_dir).save_pretrained(folder)
+    return folder

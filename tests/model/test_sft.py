@@ -236,9 +236,9 @@ def test_mmengine_train_step_with_collated_batch(tiny_llama_dir, make_sft, rows)
     assert model(data, mode="loss")["loss"].item() < before
 
 
-def test_loss_computes_logits_only_where_trained(tiny_llama_dir, make_sft, rows):
+def test_unchunked_loss_computes_logits_only_where_trained(tiny_llama_dir, make_sft, rows):
     """The head runs on trained positions only (transformers' boolean logits_to_keep)."""
-    model = make_sft(tiny_llama_dir)
+    model = make_sft(tiny_llama_dir, loss_implementation="unchunked")
     data = batch_of(rows, [rows.make_samples(3, seed=10)])
     seen = []
     model.llm.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
