@@ -80,7 +80,8 @@ class DPO(PairwiseModel):
                  use_varlen_attn=False, lora=None, peft_model=None, use_activation_checkpointing=True,
                  max_position_embeddings=None, tokenizer=None, data_preprocessor=None):
         _check_args(loss_type, beta, label_smoothing)
-        super().__init__(llm, lora=lora, peft_model=peft_model, use_activation_checkpointing=use_activation_checkpointing,
+        super().__init__(llm, lora=lora, peft_model=peft_model,
+                         use_activation_checkpointing=use_activation_checkpointing,
                          use_varlen_attn=use_varlen_attn, tokenizer=tokenizer,
                          max_position_embeddings=max_position_embeddings, data_preprocessor=data_preprocessor)
         self.beta, self.loss_type = beta, loss_type
@@ -99,7 +100,10 @@ class DPO(PairwiseModel):
             self.ref_llm = self._build_reference(ref_llm, use_varlen_attn, max_position_embeddings)
 
     def _build_reference(self, ref_llm: Any, use_varlen_attn: bool, max_position_embeddings: Any):
-        ref = copy.deepcopy(self.llm) if ref_llm is None else build_llm(ref_llm, use_varlen_attn, max_position_embeddings)
+        if ref_llm is None:
+            ref = copy.deepcopy(self.llm)  # the starting weights, before any step
+        else:
+            ref = build_llm(ref_llm, use_varlen_attn, max_position_embeddings)
         ref.config.use_cache = False
         ref.requires_grad_(False)
         return ref.eval()
@@ -159,7 +163,8 @@ class ORPO(PairwiseModel):
                  use_activation_checkpointing=True, max_position_embeddings=None, tokenizer=None,
                  data_preprocessor=None):
         _check_args("sigmoid", beta, 0.0)
-        super().__init__(llm, lora=lora, peft_model=peft_model, use_activation_checkpointing=use_activation_checkpointing,
+        super().__init__(llm, lora=lora, peft_model=peft_model,
+                         use_activation_checkpointing=use_activation_checkpointing,
                          use_varlen_attn=use_varlen_attn, tokenizer=tokenizer,
                          max_position_embeddings=max_position_embeddings, data_preprocessor=data_preprocessor)
         self.beta = beta

@@ -157,7 +157,8 @@ def formula(loss_type, pc, pr, rc, rr, beta, ls, gamma=0.5):
         elif loss_type == "ipo":
             out.append((h - 1 / (2 * beta)) ** 2)
         elif loss_type == "kto_pair":
-            out.append(((1 - sigmoid(beta * ((pc[i] - rc[i]) - rkl))) + (1 - sigmoid(beta * (ckl - (pr[i] - rr[i]))))) / 2)
+            chosen, rejected = pc[i] - rc[i], pr[i] - rr[i]
+            out.append(((1 - sigmoid(beta * (chosen - rkl))) + (1 - sigmoid(beta * (ckl - rejected)))) / 2)
         elif loss_type == "sppo_hard":
             out.append(((pc[i] - rc[i]) - 0.5 / beta) ** 2 + ((pr[i] - rr[i]) + 0.5 / beta) ** 2)
         elif loss_type == "nca_pair":
