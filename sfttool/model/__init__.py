@@ -5,6 +5,7 @@
 from sfttool.model.build import build_llm, to_torch_dtype
 from sfttool.model.lora import find_linear_names
 from sfttool.model.sft import SupervisedFinetune
-from sfttool.model.preference import DPO, ORPO
+from sfttool.model.dpo import DPO
+from sfttool.model.orpo import ORPO
 
 __all__ = ["DPO", "ORPO", "SupervisedFinetune", "build_llm", "find_linear_names", "to_torch_dtype"]
