@@ -63,7 +63,8 @@ def require_pairs(dataset) -> None:
                            "intel_orca_dpo_map_fn, ultrafeedback_binarized_map_fn or preference_strings_map_fn")
 
 
-def encode_pairs(dataset, tokenizer, max_length: int, template: Any, num_proc: int, source: str | None):
+def encode_pairs(dataset, tokenizer, max_length: int, template: Any, num_proc: int, source: str | None,
+                 reward_token_id: int | None = None):
     from datasets import Features, List, Value
     tokens = List(Value("int32"))
     features = Features({**{name: tokens for name in COLUMNS[:4]},
@@ -71,7 +72,8 @@ def encode_pairs(dataset, tokenizer, max_length: int, template: Any, num_proc: i
                          "note": Value("string"), "drop": Value("string")})
     return dataset.map(encode_pair_batch, batched=True, with_indices=True, num_proc=num_proc,
                        remove_columns=dataset.column_names, features=features,
-                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, template=template, source=source),
+                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, template=template, source=source,
+                                      reward_token_id=reward_token_id),
                        desc="Tokenizing preference pairs")
 
 
@@ -127,11 +129,13 @@ def pack_pairs(table, max_packed_length: int | None, shuffle: bool, seed: int):
 
 def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, prompt_template=None,
                             max_packed_length=None, shuffle_before_pack=True, max_dataset_length=None,
-                            split="train", map_num_proc=None, seed=0, source=None, keep_stages=False):
+                            split="train", map_num_proc=None, seed=0, source=None, keep_stages=False,
+                            reward_token_id=None):
     """All stages in order; returns ``(dataset, PreferenceReport)``.
 
     ``prompt_template`` None means the tokenizer's own chat template;
-    ``max_packed_length`` None means one pair per row.
+    ``max_packed_length`` None means one pair per row; ``reward_token_id`` ends every sequence
+    with that token (reward-model data).
     """
     from datasets import Dataset
     from sfttool.dataset.resolve import template_of
@@ -151,7 +155,7 @@ def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=
         dataset = apply_map_fn(dataset, map_fn, num_proc, source)
         stage("map_fn", dataset)
     require_pairs(dataset)
-    dataset = encode_pairs(dataset, tokenizer, max_length, template, num_proc, source)
+    dataset = encode_pairs(dataset, tokenizer, max_length, template, num_proc, source, reward_token_id)
     dataset = count_and_drop(dataset, report)
     stage("encoded", dataset)
     table = to_table(dataset)
@@ -192,12 +196,12 @@ def build_preference_dataset(dataset, tokenizer=None, max_length=None, dataset_m
     attention; here position_ids isolate packed sequences on every backend, so
     packing is the default), ``prompt_template`` (None: the tokenizer's chat
     template, as in XTuner; or a ``PROMPT_TEMPLATE`` entry), ``seed``.
-    ``is_dpo``/``use_varlen_attn`` are accepted for XTuner configs and change
-    nothing here.
+    ``is_reward`` with ``reward_token_id >= 0`` ends every sequence with that
+    token (XTuner's reward-model convention; the score is read there); ``is_dpo``
+    and ``use_varlen_attn`` are accepted for XTuner configs and change nothing.
     """
     check_positive_int(max_length, "max_length")
-    if is_reward:
-        raise DatasetError("is_reward=True (reward model data) is not supported yet; train DPO or ORPO")
+    reward_token = reward_token_id if is_reward and reward_token_id is not None and reward_token_id >= 0 else None
     packed = max_packed_length if pack_to_max_length else None
     if packed is not None:
         check_positive_int(max_packed_length, "max_packed_length")
@@ -207,7 +211,7 @@ def build_preference_dataset(dataset, tokenizer=None, max_length=None, dataset_m
                                f"set max_packed_length >= {2 * max_length}")
     dataset, report = run_preference_pipeline(
         dataset_config(dataset), tokenizer, max_length, dataset_map_fn, prompt_template, packed,
-        shuffle_before_pack, max_dataset_length, split, num_proc, seed, source)
+        shuffle_before_pack, max_dataset_length, split, num_proc, seed, source, reward_token_id=reward_token)
     log_preference_report(report, max_length)
     return dataset
 

@@ -153,7 +153,8 @@ def _too_long(chosen, rejected, max_length: int) -> bool:
 
 
 def encode_pair_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
-                      template: Any = None, source: str | None = None) -> dict[str, list]:
+                      template: Any = None, source: str | None = None,
+                      reward_token_id: int | None = None) -> dict[str, list]:
     """Batched ``datasets.map`` function: preference rows -> the two sides' ids and labels.
 
     >>> encode_pair_batch({'prompt': [[{'role': 'user', 'content': 'Q'}]],
@@ -163,7 +164,13 @@ def encode_pair_batch(batch: dict[str, list], indices: Iterable[int], tokenizer,
     {'chosen_input_ids': [[...Q..., a, im_end, nl]], 'chosen_labels': [[-100, ..., a, im_end, -100]],
      'rejected_input_ids': [...], 'rejected_labels': [...], 'prompt_tokens': [p], 'length': [...],
      'num_tokens': [...], 'note': [''], 'drop': ['']}
+
+    ``reward_token_id`` (reward-model data, XTuner's convention) is appended to
+    both sequences after fitting them into ``max_length - 1`` tokens.
     """
+    if reward_token_id is not None:
+        out = encode_pair_batch(batch, indices, tokenizer, max_length - 1, template, source)
+        return append_reward_token(out, reward_token_id)
     rows = list(batch[ROW_COLUMN]) if ROW_COLUMN in batch else list(indices)
     pairs = [pair_conversations(p, c, r, row, source)
              for p, c, r, row in zip(batch["prompt"], batch["chosen"], batch["rejected"], rows)]
@@ -182,6 +189,17 @@ def encode_pair_batch(batch: dict[str, list], indices: Iterable[int], tokenizer,
             out[name].append(value)
         out["note"].append("" if drop else "; ".join(notes))
         out["drop"].append(drop)
+    return out
+
+
+def append_reward_token(out: dict[str, list], token: int) -> dict[str, list]:
+    """End every kept sequence with ``token`` (trained, so it is each sequence's last trained position)."""
+    for k, drop in enumerate(out["drop"]):
+        if drop:
+            continue
+        for name in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+            out[name][k] = out[name][k] + [token]
+        out["length"][k] += 2
     return out
 
 
