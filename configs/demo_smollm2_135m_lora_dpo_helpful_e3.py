@@ -49,8 +49,8 @@ data_files = dict(type=builtin_data_file, name='helpful_preference.jsonl')
 dataset_map_fn = None        # already in the preference format
 # Render with SmolLM2's own chat template (also what XTuner's preference data uses).
 prompt_template = PROMPT_TEMPLATE.hf_chat_template
-max_length = 256             # per sequence (prompt + answer); the pairs have ~40-90 tokens a side
-max_packed_length = 512      # per packed row: 52 pairs of ~130 tokens pack into ~14 rows
+max_length = 256             # per sequence (prompt + answer); the sides have ~35-85 tokens
+max_packed_length = 512      # per packed row: 52 pairs of ~100 tokens pack into 11 rows
 
 # DPO
 loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_pair, simpo
@@ -60,7 +60,7 @@ label_smoothing = 0.0
 # Scheduler & optimizer
 batch_size = 1               # rows per step
 accumulative_counts = 1
-# => ~14 optimizer steps per epoch, ~42 in all
+# => 11 optimizer steps per epoch, 33 in all
 dataloader_num_workers = 0
 max_epochs = 3
 lr = 5e-4                    # high for LoRA, because the run is short

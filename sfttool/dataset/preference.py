@@ -201,7 +201,6 @@ def build_preference_dataset(dataset, tokenizer=None, max_length=None, dataset_m
     and ``use_varlen_attn`` are accepted for XTuner configs and change nothing.
     """
     check_positive_int(max_length, "max_length")
-    reward_token = reward_token_id if is_reward and reward_token_id is not None and reward_token_id >= 0 else None
     packed = max_packed_length if pack_to_max_length else None
     if packed is not None:
         check_positive_int(max_packed_length, "max_packed_length")
@@ -211,9 +210,15 @@ def build_preference_dataset(dataset, tokenizer=None, max_length=None, dataset_m
                                f"set max_packed_length >= {2 * max_length}")
     dataset, report = run_preference_pipeline(
         dataset_config(dataset), tokenizer, max_length, dataset_map_fn, prompt_template, packed,
-        shuffle_before_pack, max_dataset_length, split, num_proc, seed, source, reward_token_id=reward_token)
+        shuffle_before_pack, max_dataset_length, split, num_proc, seed, source,
+        reward_token_id=reward_token(is_reward, reward_token_id))
     log_preference_report(report, max_length)
     return dataset
+
+
+def reward_token(is_reward: bool, reward_token_id: int | None) -> int | None:
+    """The token reward-model data ends its sequences with; None (XTuner's -1) for none."""
+    return reward_token_id if is_reward and reward_token_id is not None and reward_token_id >= 0 else None
 
 
 # As for process_hf_dataset: the registry hands `dataset` over as its config, so local JSON files are checked

@@ -263,7 +263,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     node = dataset_node(cfg)
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
-    if resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
+    from sfttool.tools.check_preference import check_preference, is_preference_node
+    if is_preference_node(node):
+        check_preference(node, findings, max_errors, echo, color, batch_size)
+    elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
         for i, part in enumerate(parts):
             echo(f"\n######## mix_datasets: dataset {i + 1} of {len(parts)} ########")
