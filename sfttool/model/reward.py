@@ -108,3 +108,17 @@ def _sequence_classification_lora(lora: Any) -> Any:
     lora = build_lora_config(dict(lora, task_type="SEQ_CLS") if isinstance(lora, dict) else lora)
     lora.task_type = "SEQ_CLS"
     return lora
+
+
+def adapter_model_class(adapter) -> tuple[Any, dict]:
+    """The transformers auto class (and its extra arguments) an adapter folder was trained on: a reward
+    model's (peft task SEQ_CLS) is a one-label sequence classifier, any other a causal LM."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    config = Path(adapter) / "adapter_config.json"
+    task = json.loads(config.read_text()).get("task_type") if config.is_file() else None
+    if task == "SEQ_CLS":
+        return AutoModelForSequenceClassification, {"num_labels": 1}
+    return AutoModelForCausalLM, {}

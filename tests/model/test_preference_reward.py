@@ -128,3 +128,21 @@ def test_a_causal_lm_is_refused(tiny_llama_dir):
     llm = dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=str(tiny_llama_dir))
     with pytest.raises(ConfigBuildError, match="needs a sequence-classification model with a `score` head"):
         RewardModel(llm=llm, use_activation_checkpointing=False)
+
+
+def test_sfttool_merge_of_a_reward_adapter_gives_a_sequence_classifier(tiny_llama_dir, tmp_path):
+    from click.testing import CliRunner
+    from transformers import AutoModelForSequenceClassification
+
+    from sfttool.cli.main import cli
+    model = make_reward(tiny_llama_dir, lora=True)
+    perturb(model.llm, seed=8, scale=0.2)
+    pairs = make_pairs(2, seed=9)
+    scores = model.sequence_scores(batch([row_of(pairs)]))
+    model.llm.save_pretrained(tmp_path / "adapter")
+    result = CliRunner().invoke(cli, ["convert", "merge", str(tiny_llama_dir), str(tmp_path / "adapter"),
+                                      str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert type(merged).__name__ == "LlamaForSequenceClassification"
+    assert_close(scores, [plain_score(merged, pair[side][0]) for pair in pairs for side in ("chosen", "rejected")])
