@@ -1,4 +1,5 @@
-"""What the preference models (``DPO`` in ``dpo.py``, ``ORPO`` in ``orpo.py``) share.
+"""What the preference models (``DPO`` in ``dpo.py``, ``ORPO`` in ``orpo.py``, ``RewardModel`` in
+``reward.py``) share.
 
 Each is :class:`SupervisedFinetune` with another loss: the LLM, LoRA/QLoRA,
 activation checkpointing, checkpoints and the packed-batch forward are SFT's.
@@ -29,6 +30,8 @@ class PairwiseModel(SupervisedFinetune):
         """``(summed log-probs, trained-token counts)`` per sequence, [2 * pairs] each, of the policy
         or of another ``llm`` run with the same packed forward."""
         keep, targets, sequence_of = P.trained_positions(data)
+        # SFT's packed forward reads only `llm` and `flatten_batch`: the frozen reference copy runs
+        # through exactly the same code as the policy.
         model = self if llm is None else SimpleNamespace(llm=llm, flatten_batch=self.flatten_batch)
         logits = SupervisedFinetune._run_llm(model, data, logits_to_keep=keep)
         if logits.dim() == 3:  # the model ignored logits_to_keep: select here

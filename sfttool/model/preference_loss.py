@@ -33,9 +33,18 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence_of: tor
     return sums, counts
 
 
+def require_pairs(data: dict) -> None:
+    if "sequence_ids" not in data:
+        from sfttool.registry import ConfigBuildError
+        raise ConfigBuildError("the batch has no `sequence_ids`: preference models need batches of pairs; set "
+                               "train_dataloader.collate_fn=dict(type=preference_collate_fn) and the dataset to "
+                               "build_preference_dataset")
+
+
 def trained_positions(data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keep, targets, sequence_of)``: the positions that predict a trained token [batch, seq] (bool),
     the targets there [n] and the sequence each belongs to [n]. Targets never cross a sequence start."""
+    require_pairs(data)
     labels = data["labels"]
     position_ids = data.get("position_ids")
     if position_ids is None:
@@ -47,6 +56,7 @@ def trained_positions(data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def count_pairs(data: dict) -> int:
     """Pairs in a collated batch (``sequence_ids`` numbers 2 sequences per pair, -1 is padding)."""
+    require_pairs(data)
     return (int(data["sequence_ids"].max()) + 1) // 2
 
 

@@ -329,3 +329,12 @@ def test_lora_with_a_ref_llm_is_refused(tiny_llama_dir):
     from sfttool.registry import ConfigBuildError
     with pytest.raises(ConfigBuildError, match="model.ref_llm: with LoRA the reference is the base model"):
         make_model("DPO", tiny_llama_dir, lora=lora_cfg(), ref_llm=dict(type="x"))
+
+
+def test_a_batch_without_pairs_names_the_collate_fn(tiny_llama_dir):
+    from sfttool.dataset.collate_fns import default_collate_fn
+    from sfttool.registry import ConfigBuildError
+    model = make_model("ORPO", tiny_llama_dir)
+    data = default_collate_fn([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}])["data"]
+    with pytest.raises(ConfigBuildError, match=r"set train_dataloader.collate_fn=dict\(type=preference_collate_fn\)"):
+        model(data, mode="loss")
