@@ -4,13 +4,13 @@ parts, the first packed row) and the counts (pairs, drops and truncations by rea
 packing)."""
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.tools.check_dataset import MASK_OPEN, MASK_CLOSE, Echo, Findings, _guard, _short, show_masked
+from sfttool.tools.check_dataset import (MASK_CLOSE, MASK_OPEN, Echo, Findings, _guard, _short, pipeline_args,
+                                         show_masked)
 
 
 def is_preference_node(node: Any) -> bool:
@@ -18,17 +18,6 @@ def is_preference_node(node: Any) -> bool:
     from sfttool.registry import resolve_type
     return isinstance(node, dict) and "type" in node and \
         resolve_type(node["type"], "train_dataloader.dataset.type") is build_preference_dataset
-
-
-def preference_args(node: dict) -> dict:
-    """The node's arguments with build_preference_dataset's defaults filled in."""
-    from sfttool.dataset.preference import build_preference_dataset
-    from sfttool.dataset.resolve import dataset_config
-    args = {name: p.default for name, p in inspect.signature(build_preference_dataset).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-    args.update({k: v for k, v in node.items() if k != "type"})
-    args["dataset"] = dataset_config(args["dataset"])
-    return args
 
 
 def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
@@ -103,7 +92,8 @@ def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo
     from sfttool.dataset.preference import reward_token, run_preference_pipeline
     from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
     from sfttool.registry import build_if_config
-    args = preference_args(node)
+    from sfttool.dataset.preference import build_preference_dataset
+    args = pipeline_args(node, build_preference_dataset)
     errors_before = len(findings.errors)
     for file in json_source_files(args["dataset"]):
         echo(f"Checking every line of {file}")

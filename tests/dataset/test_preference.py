@@ -2,8 +2,9 @@
 truncation counted by reason, packing of whole pairs (no pair split, no token lost), collation."""
 from __future__ import annotations
 
-import logging
 import random
+import sys
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, load_dataset
@@ -16,6 +17,9 @@ from sfttool.dataset.map_fns import (MapFnError, intel_orca_dpo_map_fn, orpo_dpo
                                      ultrafeedback_binarized_map_fn)
 from sfttool.registry import MAP_FUNC
 from sfttool.utils import PROMPT_TEMPLATE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_pipeline import logged  # noqa: E402  (the log-capturing helper the SFT pipeline tests use)
 
 WORDS = "the cat sat on a mat and then it ran to see how far the dog could go today".split()
 
@@ -65,19 +69,6 @@ def pairs_of(ds) -> list[tuple]:
 def build(rows, tok, **kw):
     kw.setdefault("max_length", 128)
     return build_preference_dataset(Dataset.from_list(rows), tok, **kw)
-
-
-def logged(fn, *args, **kwargs):
-    from mmengine.logging import MMLogger
-    messages = []
-    logger = MMLogger.get_current_instance()
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger.addHandler(handler)
-    try:
-        return fn(*args, **kwargs), "\n".join(messages)
-    finally:
-        logger.removeHandler(handler)
 
 
 # --- map fns ----------------------------------------------------------------------------------------

@@ -24,6 +24,15 @@ def _assistant(content: str) -> list[dict]:
     return [{"role": "assistant", "content": content}]
 
 
+def _from_strings(example: Mapping[str, Any], question: str, fn: str) -> dict:
+    """String fields (an optional ``system``, the user message ``question``, ``chosen``, ``rejected``) -> a pair."""
+    system = text_field(example, "system", fn, optional=True)
+    prompt = [{"role": "system", "content": system}] if system else []
+    prompt.append({"role": "user", "content": text_field(example, question, fn)})
+    return {"prompt": prompt, "chosen": _assistant(text_field(example, "chosen", fn)),
+            "rejected": _assistant(text_field(example, "rejected", fn))}
+
+
 def _split_conversations(example: Mapping[str, Any], fn: str) -> dict:
     """Two full conversations that differ in their last (assistant) message -> prompt + the two answers."""
     chosen, rejected = list_field(example, "chosen", fn), list_field(example, "rejected", fn)
@@ -73,12 +82,7 @@ def intel_orca_dpo_map_fn(example: dict) -> dict:
 
     An empty ``system`` adds no system message.
     """
-    fn = "intel_orca_dpo_map_fn"
-    system = text_field(example, "system", fn, optional=True)
-    prompt = [{"role": "system", "content": system}] if system else []
-    prompt.append({"role": "user", "content": text_field(example, "question", fn)})
-    return {"prompt": prompt, "chosen": _assistant(text_field(example, "chosen", fn)),
-            "rejected": _assistant(text_field(example, "rejected", fn))}
+    return _from_strings(example, "question", "intel_orca_dpo_map_fn")
 
 
 @MAP_FUNC.register_module()
@@ -88,9 +92,4 @@ def preference_strings_map_fn(example: dict) -> dict:
     >>> preference_strings_map_fn({'prompt': '2+2?', 'chosen': '4', 'rejected': '5'})
     {'prompt': [{'role': 'user', 'content': '2+2?'}], 'chosen': [{'role': 'assistant', 'content': '4'}], 'rejected': [{'role': 'assistant', 'content': '5'}]}
     """
-    fn = "preference_strings_map_fn"
-    system = text_field(example, "system", fn, optional=True)
-    prompt = [{"role": "system", "content": system}] if system else []
-    prompt.append({"role": "user", "content": text_field(example, "prompt", fn)})
-    return {"prompt": prompt, "chosen": _assistant(text_field(example, "chosen", fn)),
-            "rejected": _assistant(text_field(example, "rejected", fn))}
+    return _from_strings(example, "prompt", "preference_strings_map_fn")
