@@ -1,5 +1,6 @@
-"""DPO with two CPU processes (gloo) under DeepSpeed ZeRO-2 and ZeRO-3: the run finishes, and a run
-stopped after a checkpoint and resumed ends with bit-identical adapter weights."""
+"""DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 the run finishes, and a run
+stopped after a checkpoint and resumed ends with bit-identical adapter weights; two ranks train like
+one rank with the global batch (the pair count spans ranks)."""
 from __future__ import annotations
 
 import random
@@ -38,9 +39,9 @@ tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_pa
 model = dict(
     type=DPO, beta=0.1, use_activation_checkpointing=False,
     llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=model_dir, dtype='float32'),
-    lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout=0.1, bias='none', task_type='CAUSAL_LM'))
+    lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', task_type='CAUSAL_LM'))
 train_dataloader = dict(
-    batch_size=1, num_workers=0,
+    batch_size={batch_size}, num_workers=0,
     dataset=dict(type=build_preference_dataset,
                  dataset=dict(type=load_dataset, path='json', data_files={data_file!r}),
                  tokenizer=tokenizer, max_length=64, pack_to_max_length=False, num_proc=1, seed=seed),
@@ -78,8 +79,9 @@ def pairs_jsonl(tmp_path):
     return assets.write_jsonl(tmp_path / "pairs.jsonl", rows)
 
 
-def write(path, model_dir, data_file, custom_hooks="[]"):
-    path.write_text(DPO_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), custom_hooks=custom_hooks))
+def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0.1):
+    path.write_text(DPO_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), custom_hooks=custom_hooks,
+                                      batch_size=batch_size, dropout=dropout))
     return path
 
 
@@ -103,3 +105,18 @@ def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_d
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0  # it trained
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir, pairs_jsonl):
+    from sfttool.engine.train import train
+    two = write(tmp_path / "two.py", tiny_qwen2_dir, pairs_jsonl, batch_size=1, dropout=0.0)
+    one = write(tmp_path / "one.py", tiny_qwen2_dir, pairs_jsonl, batch_size=2, dropout=0.0)
+    result = run_sfttool([str(two), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    single = train(str(one), work_dir=str(tmp_path / "one"))
+    a = load_file(tmp_path / "two" / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
