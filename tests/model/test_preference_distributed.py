@@ -1,6 +1,7 @@
 """DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 the run finishes, and a run
 stopped after a checkpoint and resumed ends with bit-identical adapter weights; two ranks train like
-one rank with the global batch (the pair count spans ranks)."""
+one rank with the global batch (the pair count spans ranks). Full fine-tuning (a frozen reference copy,
+left out of checkpoints) resumes bit-exactly too."""
 from __future__ import annotations
 
 import random
@@ -39,7 +40,7 @@ tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_pa
 model = dict(
     type=DPO, beta=0.1, use_activation_checkpointing=False,
     llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=model_dir, dtype='float32'),
-    lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', task_type='CAUSAL_LM'))
+    lora={lora})
 train_dataloader = dict(
     batch_size={batch_size}, num_workers=0,
     dataset=dict(type=build_preference_dataset,
@@ -79,9 +80,11 @@ def pairs_jsonl(tmp_path):
     return assets.write_jsonl(tmp_path / "pairs.jsonl", rows)
 
 
-def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0.1):
+def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0.1, lora=True):
+    adapter = (f"dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', "
+               "task_type='CAUSAL_LM')") if lora else "None"
     path.write_text(DPO_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), custom_hooks=custom_hooks,
-                                      batch_size=batch_size, dropout=dropout))
+                                      batch_size=batch_size, lora=adapter))
     return path
 
 
@@ -120,3 +123,23 @@ def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_finetune_dpo_resumes_bit_exactly(tmp_path, tiny_qwen2_dir, pairs_jsonl):
+    from engine_helpers import Interrupted
+
+    from sfttool.engine.train import train
+    cfg = write(tmp_path / "full_ft.py", tiny_qwen2_dir, pairs_jsonl, lora=False)
+    full = train(str(cfg), work_dir=str(tmp_path / "full"))
+    stop = {"custom_hooks": [dict(type="engine_helpers.StopAfterIter", n=8)]}
+    with pytest.raises(Interrupted):
+        train(str(cfg), work_dir=str(tmp_path / "resumed"), cfg_options=stop)
+    checkpoint = torch.load(tmp_path / "resumed" / "iter_8.pth", map_location="cpu", weights_only=False)
+    assert checkpoint["state_dict"] and not any(k.startswith("ref_llm.") for k in checkpoint["state_dict"])
+    resumed = train(str(cfg), work_dir=str(tmp_path / "resumed"), resume="auto")
+    a = load_file(full / "hf_model" / "model.safetensors")
+    b = load_file(resumed / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = load_file(tiny_qwen2_dir / "model.safetensors")
+    assert any(not torch.equal(a[k], base[k]) for k in a if k in base)  # it trained
