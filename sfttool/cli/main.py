@@ -11,6 +11,7 @@ from sfttool.cli.configs import copy_cfg, list_cfg
 from sfttool.cli.convert import convert
 from sfttool.cli.env import env, version
 from sfttool.cli.process_dataset import process_dataset
+from sfttool.cli.score import score
 from sfttool.cli.train import train
 
 
@@ -21,7 +22,7 @@ def cli() -> None:
 
 
 for command in (list_cfg, copy_cfg, train, check_custom_dataset, process_dataset,
-                convert, chat, version, env):
+                convert, chat, score, version, env):
     cli.add_command(command)
 
 

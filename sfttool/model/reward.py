@@ -79,12 +79,18 @@ class RewardModel(PairwiseModel):
 
     def sequence_scores(self, data: dict) -> torch.Tensor:
         """The score of every sequence of the batch, [2 * pairs], in ``sequence_ids`` order."""
+        from sfttool.model.loss import default_position_ids
         model = self.base_model()
         decoder = getattr(model, model.base_model_prefix)
-        hidden = decoder(input_ids=data["input_ids"], position_ids=data.get("position_ids"), attention_mask=None,
+        ids, sequence_ids = data["input_ids"], data["sequence_ids"]
+        positions = data.get("position_ids")
+        positions = default_position_ids(ids) if positions is None else positions
+        if self.flatten_batch:  # flash-attention reads sequence starts from one row only (as in SFT)
+            ids, positions, sequence_ids = ids.reshape(1, -1), positions.reshape(1, -1), sequence_ids.reshape(1, -1)
+        hidden = decoder(input_ids=ids, position_ids=positions, attention_mask=None,
                          use_cache=False).last_hidden_state  # [batch, seq, hidden]
-        last = last_token_mask(data["sequence_ids"])
-        if self.reward_token_id is not None and not (data["input_ids"][last] == self.reward_token_id).all():
+        last = last_token_mask(sequence_ids)
+        if self.reward_token_id is not None and not (ids[last] == self.reward_token_id).all():
             raise ConfigBuildError(f"model.reward_token_id={self.reward_token_id} but the sequences do not end with "
                                    "it; build the data with is_reward=True and the same reward_token_id")
         return model.score(hidden[last]).squeeze(-1).float()  # row-major order = sequence_ids order

@@ -76,7 +76,8 @@ def pairs_jsonl(tmp_path):
         question = " ".join(rng.choice(words) for _ in range(4)) + "?"
         rows.append({"prompt": [{"role": "user", "content": question}],
                      "chosen": [{"role": "assistant", "content": f"yes {i}."}],
-                     "rejected": [{"role": "assistant", "content": "no " + " ".join(rng.choice(words) for _ in range(3))}]})
+                     "rejected": [{"role": "assistant",
+                                   "content": "no " + " ".join(rng.choice(words) for _ in range(3))}]})
     return assets.write_jsonl(tmp_path / "pairs.jsonl", rows)
 
 

@@ -146,3 +146,44 @@ def test_sfttool_merge_of_a_reward_adapter_gives_a_sequence_classifier(tiny_llam
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert type(merged).__name__ == "LlamaForSequenceClassification"
     assert_close(scores, [plain_score(merged, pair[side][0]) for pair in pairs for side in ("chosen", "rejected")])
+
+
+def test_sfttool_score_scores_a_pair_as_training_encoded_it(tiny_llama_dir, tiny_tokenizer, tmp_path):
+    from click.testing import CliRunner
+
+    from sfttool.cli.main import cli
+    from sfttool.dataset.collate_fns import preference_collate_fn
+    model = make_reward(tiny_llama_dir, lora=True, reward_token_id=2)
+    perturb(model.llm, seed=10, scale=0.2)
+    adapter = tmp_path / "adapter"
+    model.llm.save_pretrained(adapter)
+    tiny_tokenizer.save_pretrained(adapter)
+    # What the run saves beside its adapter: the training config (template and reward token).
+    (adapter / "sfttool_config.py").write_text(
+        "prompt_template = dict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])\nmodel = dict(reward_token_id=2)\n")
+    row = {"prompt": [{"role": "user", "content": "Is the sky blue?"}],
+           "chosen": [{"role": "assistant", "content": "Yes, on a clear day."}],
+           "rejected": [{"role": "assistant", "content": "No."}]}
+    ds = build_preference_dataset(Dataset.from_list([row]), tiny_tokenizer, max_length=64, is_reward=True,
+                                  reward_token_id=2, pack_to_max_length=False)
+    want = model.sequence_scores(preference_collate_fn([ds[0]])["data"]).tolist()
+
+    result = CliRunner().invoke(cli, ["score", str(tiny_llama_dir), "--adapter", str(adapter),
+                                      "--prompt", "Is the sky blue?", "--chosen", "Yes, on a clear day.",
+                                      "--rejected", "No."])
+    assert result.exit_code == 0, result.output
+    import re
+    lines = dict(re.findall(r"(chosen|rejected|preferred): (\S+)", result.output))
+    assert float(lines["chosen"]) == pytest.approx(want[0], abs=1e-4)
+    assert float(lines["rejected"]) == pytest.approx(want[1], abs=1e-4)
+    assert lines["preferred"] == ("chosen" if want[0] > want[1] else "rejected")
+
+
+def test_sfttool_score_refuses_a_causal_lm(tiny_llama_dir):
+    from click.testing import CliRunner
+
+    from sfttool.cli.main import cli
+    result = CliRunner().invoke(cli, ["score", str(tiny_llama_dir), "--prompt", "q", "--chosen", "a",
+                                      "--rejected", "b"])
+    assert result.exit_code == 1
+    assert "is not a reward model" in result.output

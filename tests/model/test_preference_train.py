@@ -1,7 +1,7 @@
 """The preference configs against the real components: the shipped DPO demo trains through
 `sfttool train` on the tiny Llama (loss from ln 2, rewards logged, adapter exported, resume), its
-checkpoint converts and merges like an SFT one, and every shipped DPO/ORPO config builds on tiny
-assets and takes a step."""
+checkpoint converts and merges like an SFT one, `sfttool chat` runs with its adapter, and every
+shipped DPO/ORPO/reward config builds on tiny assets and takes a step."""
 from __future__ import annotations
 
 import functools
@@ -82,6 +82,13 @@ def test_a_dpo_checkpoint_converts_and_merges_like_an_sft_one(demo_run, demo_cop
     merged = tmp_path / "merged"
     run_cli("convert", "merge", tiny_llama_dir, out, merged)
     assert (merged / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_chat_runs_with_the_dpo_adapter_and_the_training_template(demo_run, tiny_llama_dir):
+    result = run_cli("chat", tiny_llama_dir, "--adapter", demo_run / "hf_adapter", "--prompt", "Who are you?",
+                     "--max-new-tokens", 4, "--temperature", 0, "--no-streamer")
+    assert f"Prompt template: {demo_run / 'hf_adapter' / 'sfttool_config.py'}" in result.output
 
 
 @pytest.mark.slow
