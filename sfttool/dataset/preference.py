@@ -44,7 +44,6 @@ class PreferenceReport:
     truncated: dict[str, int] = field(default_factory=dict)  # how -> pairs
     pairs: int = 0
     tokens: int = 0
-    max_pair_length: int = 0
     rows_out: int = 0
     capacity: int = 0  # rows * max_packed_length when packed
     stages: dict[str, Any] = field(default_factory=dict)
@@ -105,8 +104,8 @@ def sequence_table(table):
 
 
 def pack_pairs(table, max_packed_length: int | None, shuffle: bool, seed: int):
-    """Rows of whole pairs: best fit decreasing over pair lengths (``max_packed_length``), or one
-    pair per row (None). Returns ``(rows, row capacity used)``."""
+    """An Arrow table of rows of whole pairs: best fit decreasing over pair lengths up to
+    ``max_packed_length`` tokens (after a seeded shuffle), or one pair per row (None), in order."""
     import pyarrow.compute as pc
     from sfttool.dataset.pack import assemble, best_fit_decreasing
     pair_lengths = table["length"].to_numpy().astype(np.int64)
@@ -161,7 +160,6 @@ def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=
     table = to_table(dataset)
     rows = pack_pairs(table, max_packed_length, shuffle_before_pack, seed)
     report.pairs, report.tokens = table.num_rows, int(table["length"].to_numpy().sum())
-    report.max_pair_length = int(table["length"].to_numpy().max())
     report.rows_out = rows.num_rows
     report.capacity = rows.num_rows * (max_packed_length or 0)
     dataset = Dataset(rows, fingerprint=content_fingerprint(rows))
