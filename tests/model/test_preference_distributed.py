@@ -1,5 +1,6 @@
-"""DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 the run finishes, and a run
-stopped after a checkpoint and resumed ends with bit-identical adapter weights; two ranks train like
+"""DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 (LoRA, and full fine-tuning with its
+frozen reference partitioned too) the run finishes, and a run stopped after a checkpoint and resumed ends
+with bit-identical weights; two ranks train like
 one rank with the global batch (the pair count spans ranks). Full fine-tuning (a frozen reference copy,
 left out of checkpoints) resumes bit-exactly too."""
 from __future__ import annotations
@@ -90,11 +91,12 @@ def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_dir, pairs_jsonl, zero):
+@pytest.mark.parametrize("zero,lora", [("zero2", True), ("zero3", True), ("zero3", False)],
+                         ids=["zero2-lora", "zero3-lora", "zero3-full"])
+def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_dir, pairs_jsonl, zero, lora):
     launch = ["--nproc-per-node", "2", "--deepspeed", zero]
-    go = write(tmp_path / "go.py", tiny_qwen2_dir, pairs_jsonl)
-    stop = write(tmp_path / "stop.py", tiny_qwen2_dir, pairs_jsonl,
+    go = write(tmp_path / "go.py", tiny_qwen2_dir, pairs_jsonl, lora=lora)
+    stop = write(tmp_path / "stop.py", tiny_qwen2_dir, pairs_jsonl, lora=lora,
                  custom_hooks="[dict(type='engine_helpers.StopAfterIter', n=4)]")
     full = run_sfttool([str(go), "--work-dir", str(tmp_path / "full"), *launch], timeout=900)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
@@ -104,11 +106,13 @@ def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_d
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resuming at iteration 4" in result.stdout + result.stderr
 
-    a = load_file(tmp_path / "full" / "hf_adapter" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "hf_adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0  # it trained
+    name = "hf_adapter/adapter_model.safetensors" if lora else "hf_model/model.safetensors"
+    a, b = load_file(tmp_path / "full" / name), load_file(tmp_path / "resumed" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if lora:
+        assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0  # it trained
+    else:
+        assert not any(k.startswith("ref_llm") for k in a)  # the frozen reference is not exported
 
 
 @pytest.mark.slow
