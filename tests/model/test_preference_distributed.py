@@ -1,8 +1,7 @@
-"""DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 (LoRA, and full fine-tuning with its
-frozen reference partitioned too) the run finishes, and a run stopped after a checkpoint and resumed ends
-with bit-identical weights; two ranks train like
-one rank with the global batch (the pair count spans ranks). Full fine-tuning (a frozen reference copy,
-left out of checkpoints) resumes bit-exactly too."""
+"""DPO with two CPU processes (gloo): under DeepSpeed ZeRO-2 and ZeRO-3 (LoRA, and full fine-tuning with
+its frozen reference partitioned too) the run finishes, and a run stopped after a checkpoint and resumed
+ends with bit-identical weights; two ranks train like one rank with the global batch (the pair count spans
+ranks); single-process full fine-tuning (the reference left out of checkpoints) resumes bit-exactly."""
 from __future__ import annotations
 
 import random
