@@ -12,6 +12,7 @@ from sfttool.cli.convert import convert
 from sfttool.cli.env import env, version
 from sfttool.cli.plot import plot
 from sfttool.cli.process_dataset import process_dataset
+from sfttool.cli.score import score
 from sfttool.cli.train import train
 
 
@@ -22,7 +23,7 @@ def cli() -> None:
 
 
 for command in (list_cfg, copy_cfg, train, check_custom_dataset, process_dataset,
-                convert, chat, plot, version, env):
+                convert, chat, plot, score, version, env):
     cli.add_command(command)
 
 

@@ -5,5 +5,8 @@
 from sfttool.model.build import build_llm, to_torch_dtype
 from sfttool.model.lora import find_linear_names
 from sfttool.model.sft import SupervisedFinetune
+from sfttool.model.dpo import DPO
+from sfttool.model.orpo import ORPO
+from sfttool.model.reward import RewardModel
 
-__all__ = ["SupervisedFinetune", "build_llm", "find_linear_names", "to_torch_dtype"]
+__all__ = ["DPO", "ORPO", "RewardModel", "SupervisedFinetune", "build_llm", "find_linear_names", "to_torch_dtype"]

@@ -62,13 +62,13 @@ def is_process_hf_dataset(node: dict) -> bool:
     return resolve_type(node["type"], "train_dataloader.dataset.type") is process_hf_dataset
 
 
-def pipeline_args(node: dict) -> dict:
-    """The node's arguments with process_hf_dataset's defaults filled in."""
+def pipeline_args(node: dict, builder: Callable | None = None) -> dict:
+    """The node's arguments with the defaults of ``builder`` (process_hf_dataset) filled in."""
     import inspect
 
     from sfttool.dataset.pipeline import process_hf_dataset
     from sfttool.dataset.resolve import dataset_config
-    args = {name: p.default for name, p in inspect.signature(process_hf_dataset).parameters.items()
+    args = {name: p.default for name, p in inspect.signature(builder or process_hf_dataset).parameters.items()
             if p.default is not inspect.Parameter.empty}
     args.update({k: v for k, v in node.items() if k != "type"})
     args["dataset"] = dataset_config(args["dataset"])
@@ -301,7 +301,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     node = dataset_node(cfg)
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
-    if resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
+    from sfttool.tools.check_preference import check_preference, is_preference_node
+    if is_preference_node(node):
+        check_preference(node, findings, max_errors, echo, color, batch_size)
+    elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
         for i, part in enumerate(parts):
             echo(f"\n######## mix_datasets: dataset {i + 1} of {len(parts)} ########")

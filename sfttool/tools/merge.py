@@ -165,10 +165,11 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
     _check_base(base)
     compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
+    from sfttool.model.reward import adapter_model_class
+    model_class, extra = adapter_model_class(adapter)  # a reward model's adapter needs its classifier
     with load_errors(base, MergeError):
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, device_map=device_map_for(device))
+        model = model_class.from_pretrained(base, dtype=dtype, device_map=device_map_for(device), **extra)
     fit_embeddings_to_adapter(model, tokenizer or adapter_tokenizer(adapter))
     model = PeftModel.from_pretrained(model, str(adapter))
     return model.merge_and_unload()

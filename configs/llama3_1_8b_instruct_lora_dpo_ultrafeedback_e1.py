@@ -1,0 +1,170 @@
+"""DPO (sigmoid loss) of Llama-3.1-8B-Instruct with LoRA (bf16 base weights + adapter)
+on UltraFeedback (binarized, ~61k preference pairs, HuggingFaceH4/ultrafeedback_binarized,
+split train_prefs), 1 epoch.
+
+Memory (estimate): 8.0B params x 2 bytes (bf16) = 16.0 GB, plus the adapter, its Adam
+state and activations (one 4096-token row, gradient checkpointing): one 40 GB GPU.
+The reference model is the same base with the adapter switched off: no second copy.
+Each step runs the policy forward+backward and the reference forward (no graph) over the
+packed row.
+
+Gated on the hub: accept the licence and `huggingface-cli login` (or point
+`pretrained_model_name_or_path` at a local copy) before training.
+
+    sfttool train llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1
+    sfttool copy-cfg llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1 .   # an editable copy
+
+To start from an SFT run: merge its adapter into the base first (`sfttool merge`) and point
+`pretrained_model_name_or_path` at the merged folder (see docs/preference.md).
+"""
+
+from datasets import load_dataset
+from mmengine.config import read_base
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttool.dataset import build_preference_dataset
+from sfttool.dataset.collate_fns import preference_collate_fn
+from sfttool.dataset.map_fns import ultrafeedback_binarized_map_fn
+from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.model import DPO
+from sfttool.utils import PROMPT_TEMPLATE
+
+# Shared parts: the LoRA adapter and 4-bit settings (peft.py), hooks, environment
+# and logging (runtime.py). `sfttool copy-cfg` copies them next to your copy.
+with read_base():
+    from ._base_.peft import *
+    from ._base_.runtime import *
+
+###############################################################################
+#                          PART 1  Settings                                   #
+###############################################################################
+# Model
+pretrained_model_name_or_path = 'meta-llama/Llama-3.1-8B-Instruct'
+use_varlen_attn = False   # True needs flash-attn; packed sequences are isolated either way
+
+# Data: whole conversations in `chosen`/`rejected`; the map fn splits off the shared prompt
+data_path = 'HuggingFaceH4/ultrafeedback_binarized'
+data_split = 'train_prefs'
+prompt_template = PROMPT_TEMPLATE.llama3_chat
+max_length = 2048            # tokens per sequence (prompt + answer); longer prompts lose early turns
+max_packed_length = 4096     # tokens per packed row: whole pairs, chosen + rejected together
+
+# DPO
+loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_pair, simpo
+beta = 0.1                   # KL strength: smaller lets the policy move further from the reference
+label_smoothing = 0.0
+
+# Scheduler & optimizer
+batch_size = 1               # packed rows per device per iteration
+accumulative_counts = 16     # iterations (micro-batches) per optimizer step
+# => up to 1 x 4096 x 16 = 65536 tokens (at least 16 pairs) per optimizer step per GPU
+dataloader_num_workers = 0
+max_epochs = 1
+lr = 5e-6
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1                 # gradient clipping
+warmup_ratio = 0.1           # warm-up over the first 10% of iterations
+seed = 42
+
+# Save
+save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
+save_total_limit = 2         # keep the newest 2 (-1 keeps all)
+
+# Sample generations during training
+evaluation_freq = 500        # every 500 iterations, plus before and after training
+SYSTEM = ''
+evaluation_inputs = ['Can you explain what a large language model is, briefly?',
+                     'Please tell me five scenic spots in Shanghai']
+
+###############################################################################
+#                      PART 2  Model & Tokenizer                              #
+###############################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=False,
+    padding_side='right')
+
+model = dict(
+    type=DPO,
+    loss_type=loss_type,
+    beta=beta,
+    label_smoothing=label_smoothing,
+    use_varlen_attn=use_varlen_attn,
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        trust_remote_code=False,
+        dtype='bfloat16'),
+    lora=lora_config)                  # r=64, alpha=16, every linear layer but the head
+
+###############################################################################
+#                      PART 3  Dataset & Dataloader                           #
+###############################################################################
+train_dataset = dict(
+    type=build_preference_dataset,
+    dataset=dict(type=load_dataset, path=data_path),
+    split=data_split,
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=ultrafeedback_binarized_map_fn,
+    prompt_template=prompt_template,
+    max_packed_length=max_packed_length,
+    shuffle_before_pack=True,
+    use_varlen_attn=use_varlen_attn,
+    seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
+
+###############################################################################
+#                    PART 4  Scheduler & Optimizer                            #
+###############################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,       # falls back to a plain OptimWrapper on CPU, with a warning
+    optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='bfloat16')
+
+# Linear warm-up from lr x 1e-5 over warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (10% of 1 epoch = 0.1), converted to iterations at run time.
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
+         begin=0, end=warmup_ratio * max_epochs),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, convert_to_iter_based=True,
+         begin=warmup_ratio * max_epochs, end=max_epochs),
+]
+
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+###############################################################################
+#                            PART 5  Runtime                                  #
+###############################################################################
+custom_hooks = [
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template),
+    dict(type=ThroughputHook),
+]
+
+# Timer, logger (every 10 iterations; the rewards are logged beside the loss), lr scheduler and
+# sampler-seed hooks come from _base_/runtime.py; the checkpoint hook depends on this run's settings.
+default_hooks = dict(
+    **base_hooks,
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
+                    max_keep_ckpts=save_total_limit))
+
+randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

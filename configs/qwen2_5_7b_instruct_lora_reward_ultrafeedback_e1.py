@@ -1,0 +1,160 @@
+"""A reward model from Qwen2.5-7B-Instruct with LoRA (bf16 base weights + adapter; the
+scalar `score` head trained in full) on UltraFeedback (binarized, ~61k preference pairs,
+HuggingFaceH4/ultrafeedback_binarized, split train_prefs), 1 epoch: Bradley-Terry loss on the
+score of the chosen vs the rejected answer.
+
+Memory (estimate): 7.6B params x 2 bytes (bf16) = 15.2 GB, plus the adapter, its Adam
+state and activations (one 4096-token row, gradient checkpointing): one 40 GB GPU.
+
+    sfttool train qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1
+    sfttool copy-cfg qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1 .   # an editable copy
+
+The run exports `hf_adapter/` (peft, task SEQ_CLS, with the head); `sfttool convert merge` gives a
+`Qwen2ForSequenceClassification` folder that transformers loads to score conversations.
+"""
+
+from datasets import load_dataset
+from mmengine.config import read_base
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from torch.optim import AdamW
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from sfttool.dataset import build_preference_dataset
+from sfttool.dataset.collate_fns import preference_collate_fn
+from sfttool.dataset.map_fns import ultrafeedback_binarized_map_fn
+from sfttool.engine.hooks import DatasetInfoHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.model import RewardModel
+from sfttool.utils import PROMPT_TEMPLATE
+
+# Shared parts: the LoRA adapter and 4-bit settings (peft.py), hooks, environment
+# and logging (runtime.py). `sfttool copy-cfg` copies them next to your copy.
+with read_base():
+    from ._base_.peft import *
+    from ._base_.runtime import *
+
+###############################################################################
+#                          PART 1  Settings                                   #
+###############################################################################
+# Model
+pretrained_model_name_or_path = 'Qwen/Qwen2.5-7B-Instruct'
+use_varlen_attn = False   # True needs flash-attn; packed sequences are isolated either way
+
+# Data: whole conversations in `chosen`/`rejected`; the map fn splits off the shared prompt
+data_path = 'HuggingFaceH4/ultrafeedback_binarized'
+data_split = 'train_prefs'
+prompt_template = PROMPT_TEMPLATE.qwen_chat
+max_length = 2048            # tokens per sequence (prompt + answer); longer prompts lose early turns
+max_packed_length = 4096     # tokens per packed row: whole pairs, chosen + rejected together
+
+# Reward model (XTuner's convention): every sequence ends with this token and is scored there
+reward_token_id = 151643     # <|endoftext|>, which the chat template never puts inside a turn
+penalty_type = 'log_barrier'  # keeps the scores within (-5, 5); or 'L2' or None
+penalty_weight = 0.01
+
+# Scheduler & optimizer
+batch_size = 1               # packed rows per device per iteration
+accumulative_counts = 16     # iterations (micro-batches) per optimizer step
+# => up to 1 x 4096 x 16 = 65536 tokens (at least 16 pairs) per optimizer step per GPU
+dataloader_num_workers = 0
+max_epochs = 1
+lr = 1e-5
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1                 # gradient clipping
+warmup_ratio = 0.1           # warm-up over the first 10% of iterations
+seed = 42
+
+# Save
+save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
+save_total_limit = 2         # keep the newest 2 (-1 keeps all)
+
+###############################################################################
+#                      PART 2  Model & Tokenizer                              #
+###############################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=False,
+    padding_side='right')
+
+model = dict(
+    type=RewardModel,
+    reward_token_id=reward_token_id,
+    penalty_type=penalty_type,
+    penalty_weight=penalty_weight,
+    use_varlen_attn=use_varlen_attn,
+    llm=dict(
+        type=AutoModelForSequenceClassification.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        num_labels=1,                  # one scalar score; the `score` head starts untrained
+        trust_remote_code=False,
+        dtype='bfloat16'),
+    lora=lora_config)                  # r=64, alpha=16; the reward model trains it as peft's SEQ_CLS task
+
+###############################################################################
+#                      PART 3  Dataset & Dataloader                           #
+###############################################################################
+train_dataset = dict(
+    type=build_preference_dataset,
+    dataset=dict(type=load_dataset, path=data_path),
+    split=data_split,
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=ultrafeedback_binarized_map_fn,
+    prompt_template=prompt_template,
+    max_packed_length=max_packed_length,
+    is_reward=True,
+    reward_token_id=reward_token_id,
+    shuffle_before_pack=True,
+    use_varlen_attn=use_varlen_attn,
+    seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
+
+###############################################################################
+#                    PART 4  Scheduler & Optimizer                            #
+###############################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,       # falls back to a plain OptimWrapper on CPU, with a warning
+    optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='bfloat16')
+
+# Linear warm-up from lr x 1e-5 over warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (10% of 1 epoch = 0.1), converted to iterations at run time.
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
+         begin=0, end=warmup_ratio * max_epochs),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, convert_to_iter_based=True,
+         begin=warmup_ratio * max_epochs, end=max_epochs),
+]
+
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+###############################################################################
+#                            PART 5  Runtime                                  #
+###############################################################################
+custom_hooks = [
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=ThroughputHook),
+]
+
+# Timer, logger (every 10 iterations; accuracy and scores are logged beside the loss), lr scheduler and
+# sampler-seed hooks come from _base_/runtime.py; the checkpoint hook depends on this run's settings.
+default_hooks = dict(
+    **base_hooks,
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
+                    max_keep_ckpts=save_total_limit))
+
+randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

@@ -1,0 +1,109 @@
+"""``DPO``: direct preference optimisation and its variants (XTuner 0.2's name, arguments and module).
+
+The reference model: with LoRA/QLoRA it is the base model with the adapter
+switched off (peft's ``disable_adapter()``), so no second copy is held; with
+full fine-tuning it is a frozen copy of the starting weights, or ``ref_llm``
+loaded from another path. Reference-free losses (``simpo``) hold none.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from sfttool.model import preference_loss as P
+from sfttool.model.build import build_llm
+from sfttool.model.preference import PairwiseModel, check_args
+from sfttool.registry import BUILDER, ConfigBuildError
+
+logger = logging.getLogger(__name__)
+
+
+@BUILDER.register_module()
+class DPO(PairwiseModel):
+    """Direct preference optimisation and its variants.
+
+    Args (besides :class:`SupervisedFinetune`'s):
+        ref_llm: full fine-tuning only: the reference model or its config;
+            None copies ``llm`` before training.
+        beta: the strength of the KL constraint (temperature of the rewards).
+        loss_type: one of ``sigmoid`` (DPO), ``robust``, ``hinge``, ``ipo``,
+            ``kto_pair``, ``sppo_hard``, ``nca_pair`` (XTuner's) or ``simpo``
+            (SimPO: length-averaged log-probs, no reference model).
+        label_smoothing: the assumed fraction of flipped labels (``sigmoid``,
+            ``robust``, ``simpo``), in [0, 0.5).
+        simpo_gamma: SimPO's target reward margin.
+    """
+
+    build_args_lazily = ("llm", "ref_llm")
+
+    def __init__(self, llm, ref_llm=None, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5,
+                 **sft_args):
+        check_args(loss_type, beta, label_smoothing)
+        if ref_llm is not None and sft_args.get("lora") is not None:
+            raise ConfigBuildError("model.ref_llm: with LoRA the reference is the base model with the "
+                                   "adapter disabled; remove ref_llm (or set lora=None)")
+        super().__init__(llm, **sft_args)
+        self.beta, self.loss_type = beta, loss_type
+        self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
+        self.ref_llm = None
+        if loss_type in P.REFERENCE_FREE:
+            return
+        if not self.use_lora:
+            self.ref_llm = self._build_reference(ref_llm, sft_args.get("max_position_embeddings"))
+        elif sft_args.get("peft_model") is not None:
+            logger.warning("model.peft_model with LoRA: the reference is the base model without any adapter; "
+                           "to compare against the SFT model, merge its adapter into the base first")
+
+    def _build_reference(self, ref_llm: Any, max_position_embeddings: Any):
+        if ref_llm is None:
+            ref = copy.deepcopy(self.llm)  # the starting weights, before any step
+        else:
+            ref = build_llm(ref_llm, self.use_varlen_attn, max_position_embeddings)
+        ref.config.use_cache = False
+        ref.requires_grad_(False)
+        return ref.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.ref_llm is not None:
+            self.ref_llm.eval()  # the reference never drops out
+        return self
+
+    @torch.no_grad()
+    def reference_logps(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ref_llm is not None:
+            return self.sequence_logps(data, self.ref_llm)
+        with self.llm.disable_adapter():
+            return self.sequence_logps(data)
+
+    def pair_logps(self, data: dict) -> dict[str, torch.Tensor | None]:
+        """Chosen and rejected log-probs [pairs] of the policy and the reference (None: reference-free)."""
+        sums, counts = self.sequence_logps(data)
+        ref = None if self.loss_type in P.REFERENCE_FREE else self.reference_logps(data)[0]
+        if self.loss_type in P.AVERAGED:
+            sums = sums / counts
+            ref = None if ref is None else ref / counts
+        return dict(policy_chosen=sums[0::2], policy_rejected=sums[1::2],
+                    ref_chosen=None if ref is None else ref[0::2], ref_rejected=None if ref is None else ref[1::2])
+
+    def compute_loss(self, data: dict) -> dict:
+        logps = self.pair_logps(data)
+        losses = P.dpo_losses(**logps, loss_type=self.loss_type, beta=self.beta,
+                              label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma)  # [pairs]
+        chosen, rejected = logps["policy_chosen"], logps["policy_rejected"]
+        if logps["ref_chosen"] is not None:
+            chosen, rejected = chosen - logps["ref_chosen"], rejected - logps["ref_rejected"]
+        return {"loss": self.normalize(losses.sum(), data), **P.reward_logs(self.beta * chosen, self.beta * rejected)}
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """SFT's state dict without the frozen reference (rebuilt from its source at start)."""
+        state = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+        for key in [k for k in state if k.startswith(prefix + "ref_llm.")]:
+            del state[key]
+        if destination is not None:
+            destination.update(state)
+            return destination
+        return state

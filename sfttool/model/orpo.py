@@ -1,0 +1,32 @@
+"""``ORPO``: odds-ratio preference optimisation (XTuner 0.2's name, arguments and module)."""
+from __future__ import annotations
+
+import torch
+
+from sfttool.model import preference_loss as P
+from sfttool.model.preference import PairwiseModel, check_args
+from sfttool.registry import BUILDER
+
+
+@BUILDER.register_module()
+class ORPO(PairwiseModel):
+    """Odds-ratio preference optimisation: NLL of the chosen answer minus ``beta`` times the log-sigmoid of
+    the log odds ratio, both from length-averaged log-probs; no reference model.
+
+    The NLL term is each chosen answer's mean token loss, averaged over pairs.
+    """
+
+    def __init__(self, llm, beta=0.1, **sft_args):
+        check_args("sigmoid", beta, 0.0)
+        super().__init__(llm, **sft_args)
+        self.beta = beta
+
+    def compute_loss(self, data: dict) -> dict:
+        sums, counts = self.sequence_logps(data)
+        means = sums / counts  # [2 * pairs]
+        chosen, rejected = means[0::2], means[1::2]
+        log_odds = P.orpo_log_odds(chosen, rejected)
+        losses = -chosen - self.beta * torch.nn.functional.logsigmoid(log_odds)  # [pairs]
+        logs = P.reward_logs(self.beta * chosen, self.beta * rejected)
+        logs.update({"nll": -chosen.detach().mean(), "log_odds_ratio": log_odds.detach().mean()})
+        return {"loss": self.normalize(losses.sum(), data), **logs}

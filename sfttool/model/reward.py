@@ -1,0 +1,130 @@
+"""``RewardModel``: a scalar score per sequence, trained on preference pairs (XTuner 0.2's name and module).
+
+The LLM is a transformers sequence-classification model with one label
+(``AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)``):
+its decoder and its ``score`` head are what a packed batch runs through here,
+and what ``save_pretrained`` exports, so the trained model (or the merged
+LoRA adapter) loads back as a ``...ForSequenceClassification`` and scores a
+conversation like any HF reward model.
+
+The score of a sequence is the head's output at its last token. XTuner's
+convention: data built with ``reward_token_id`` ends every sequence with that
+token (``build_preference_dataset(is_reward=True, reward_token_id=...)``), so
+the score is read there. The loss per pair is Bradley-Terry,
+``-log σ(score_chosen - score_rejected)``, plus XTuner's optional penalty on
+the scores' size.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sfttool.model.preference import PairwiseModel
+from sfttool.registry import BUILDER, ConfigBuildError
+
+PENALTIES = (None, "log_barrier", "L2")
+BARRIER = (-5.0, 5.0, 1e-3)  # XTuner's log-barrier bounds and margin
+
+
+def last_token_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """True at the last token of every sequence (padding, -1, excluded). [batch, seq] -> [batch, seq].
+
+    >>> last_token_mask(torch.tensor([[0, 0, 1, -1], [2, 3, 3, 3]])).int().tolist()
+    [[0, 1, 1, 0], [1, 0, 0, 1]]
+    """
+    following = torch.cat([sequence_ids[:, 1:], sequence_ids.new_full((len(sequence_ids), 1), -1)], 1)
+    return (sequence_ids >= 0) & (following != sequence_ids)
+
+
+def score_penalty(scores: torch.Tensor, penalty_type: str | None) -> torch.Tensor:
+    """XTuner's penalty on each score (keeps scores in a sane range); zeros when None."""
+    if penalty_type is None:
+        return torch.zeros_like(scores)
+    if penalty_type == "L2":
+        return scores ** 2
+    low, high, eps = BARRIER
+    clamped = scores.clamp(low + eps, high - eps)
+    return -torch.log(high - clamped) - torch.log(clamped - low)
+
+
+@BUILDER.register_module()
+class RewardModel(PairwiseModel):
+    """A reward model: ``llm`` is a sequence-classification model with ``num_labels=1``.
+
+    Args (besides :class:`SupervisedFinetune`'s):
+        reward_token_id: the token the data appended to every sequence (checked
+            when set); None reads the score at each sequence's last token.
+        loss_type: ``'ranking'`` (Bradley-Terry), XTuner's default and only one here.
+        penalty_type: ``'log_barrier'`` (XTuner's default), ``'L2'`` or None.
+        penalty_weight: its weight.
+    """
+
+    def __init__(self, llm, reward_token_id=None, loss_type="ranking", penalty_type="log_barrier",
+                 penalty_weight=0.01, lora=None, **sft_args):
+        if loss_type != "ranking":
+            raise ConfigBuildError(f"model.loss_type: only 'ranking' (Bradley-Terry) is supported, got {loss_type!r}")
+        if penalty_type not in PENALTIES:
+            raise ConfigBuildError(f"model.penalty_type must be one of {PENALTIES}, got {penalty_type!r}")
+        super().__init__(llm, lora=_sequence_classification_lora(lora), **sft_args)
+        self.reward_token_id, self.penalty_type, self.penalty_weight = reward_token_id, penalty_type, penalty_weight
+        if getattr(self.base_model(), "score", None) is None:
+            raise ConfigBuildError("model.llm: a reward model needs a sequence-classification model with a `score` "
+                                   "head: type=AutoModelForSequenceClassification.from_pretrained, num_labels=1")
+
+    def base_model(self) -> Any:
+        """The transformers model under the peft wrapper (LoRA layers are injected into it in place)."""
+        return self.llm.get_base_model() if hasattr(self.llm, "get_base_model") else self.llm
+
+    def sequence_scores(self, data: dict) -> torch.Tensor:
+        """The score of every sequence of the batch, [2 * pairs], in ``sequence_ids`` order."""
+        from sfttool.model.loss import default_position_ids
+        model = self.base_model()
+        decoder = getattr(model, model.base_model_prefix)
+        ids, sequence_ids = data["input_ids"], data["sequence_ids"]
+        positions = data.get("position_ids")
+        positions = default_position_ids(ids) if positions is None else positions
+        if self.flatten_batch:  # flash-attention reads sequence starts from one row only (as in SFT)
+            ids, positions, sequence_ids = ids.reshape(1, -1), positions.reshape(1, -1), sequence_ids.reshape(1, -1)
+        hidden = decoder(input_ids=ids, position_ids=positions, attention_mask=None,
+                         use_cache=False).last_hidden_state  # [batch, seq, hidden]
+        last = last_token_mask(sequence_ids)
+        if self.reward_token_id is not None and not (ids[last] == self.reward_token_id).all():
+            raise ConfigBuildError(f"model.reward_token_id={self.reward_token_id} but the sequences do not end with "
+                                   "it; build the data with is_reward=True and the same reward_token_id")
+        return model.score(hidden[last]).squeeze(-1).float()  # row-major order = sequence_ids order
+
+    def compute_loss(self, data: dict) -> dict:
+        scores = self.sequence_scores(data)
+        chosen, rejected = scores[0::2], scores[1::2]
+        penalty = (score_penalty(chosen, self.penalty_type) + score_penalty(rejected, self.penalty_type)) / 2
+        losses = -F.logsigmoid(chosen - rejected) + self.penalty_weight * penalty  # [pairs]
+        c, r = chosen.detach(), rejected.detach()
+        return {"loss": self.normalize(losses.sum(), data), "accuracy": (c > r).float().mean(),
+                "scores/chosen": c.mean(), "scores/rejected": r.mean(), "scores/margins": (c - r).mean()}
+
+
+def _sequence_classification_lora(lora: Any) -> Any:
+    """A LoRA config for a reward model: peft's SEQ_CLS task, which trains the ``score`` head in full and
+    saves it with the adapter (also when the head is among the adapted layers: peft then wraps it whole)."""
+    if lora is None:
+        return None
+    from sfttool.model.lora import build_lora_config
+    lora = build_lora_config(dict(lora, task_type="SEQ_CLS") if isinstance(lora, dict) else lora)
+    lora.task_type = "SEQ_CLS"
+    return lora
+
+
+def adapter_model_class(adapter) -> tuple[Any, dict]:
+    """The transformers auto class (and its extra arguments) an adapter folder was trained on: a reward
+    model's (peft task SEQ_CLS) is a one-label sequence classifier, any other a causal LM."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    config = Path(adapter) / "adapter_config.json"
+    task = json.loads(config.read_text()).get("task_type") if config.is_file() else None
+    if task == "SEQ_CLS":
+        return AutoModelForSequenceClassification, {"num_labels": 1}
+    return AutoModelForCausalLM, {}

@@ -1,0 +1,118 @@
+"""``check-custom-dataset`` for a ``build_preference_dataset`` config: every row validated, the
+stages printed (raw row, after the map fn, a chosen and a rejected sequence with their masked
+parts, the first packed row) and the counts (pairs, drops and truncations by reason, lengths,
+packing)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.tools.check_dataset import (MASK_CLOSE, MASK_OPEN, Echo, Findings, _guard, _short, pipeline_args,
+                                         show_masked)
+
+
+def is_preference_node(node: Any) -> bool:
+    from sfttool.dataset.preference import build_preference_dataset
+    from sfttool.registry import resolve_type
+    return isinstance(node, dict) and "type" in node and \
+        resolve_type(node["type"], "train_dataloader.dataset.type") is build_preference_dataset
+
+
+def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
+    """Run the map fn and the pair checks on every row; list the first errors."""
+    from sfttool.dataset.preference_encode import pair_conversations
+    from sfttool.dataset.resolve import SafeMapFn
+    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
+    found = 0
+    for index, row in enumerate(dataset):
+        try:
+            row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
+            missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
+            if missing:
+                raise DatasetError(f"{source or 'dataset'}, row {index}: no {', '.join(missing)}; set a "
+                                   "dataset_map_fn for this format (see docs/preference.md)")
+            pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
+        except DatasetError as exc:
+            found += 1
+            if found <= max_errors:
+                findings.error(str(exc))
+    if found > max_errors:
+        findings.error(f"... and {found - max_errors} more rows with errors")
+
+
+def print_preference_stages(report, tokenizer, echo: Echo, color: bool) -> None:
+    for key, title in (("loaded", "raw row"), ("map_fn", "after dataset_map_fn")):
+        if key in report.stages and len(report.stages[key]):
+            row = {k: v for k, v in report.stages[key][0].items() if k != ROW_COLUMN}
+            echo(f"\n== {title} (row 0) ==\n{_short(row)}")
+    encoded = report.stages.get("encoded")
+    if encoded is not None and len(encoded):
+        pair = encoded[0]
+        legend = "masked text dimmed" if color else f"masked text in {MASK_OPEN}...{MASK_CLOSE}"
+        for side in ("chosen", "rejected"):
+            ids, labels = pair[f"{side}_input_ids"], pair[f"{side}_labels"]
+            echo(f"\n== {side} (pair 0: {len(ids)} tokens, {pair['prompt_tokens']} prompt; {legend}) ==")
+            echo(show_masked(ids, labels, tokenizer, color))
+    final = report.stages.get("packed", report.stages.get("rows"))
+    if final is not None and len(final):
+        row = final[0]
+        echo(f"\n== final row 0: {row['length']} tokens, sequences (chosen, rejected, ...) of "
+             f"{row['sample_lengths']} ==")
+
+
+def print_preference_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
+    echo("\n== statistics ==")
+    echo(f"rows in: {report.rows_in}   pairs: {report.pairs}   rows out: {report.rows_out}")
+    for reason, count in report.dropped.items():
+        echo(f"dropped: {count} pairs ({reason})")
+    for how, count in report.truncated.items():
+        echo(f"over max_length={args['max_length']}: {count} pairs ({how})")
+    encoded = report.stages.get("encoded")
+    if encoded is not None and len(encoded):
+        table = encoded.with_format("arrow")[:]
+        for name in ("prompt_tokens", "length"):
+            values = np.asarray(table[name].to_numpy())
+            p = np.percentile(values, [50, 90, 99]).round().astype(int)
+            label = "prompt length" if name == "prompt_tokens" else "pair length (chosen + rejected)"
+            echo(f"{label} (tokens): min {values.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {values.max()}")
+    if report.capacity:
+        echo(f"packing: {report.pairs} pairs -> {report.rows_out} rows of <= {args['max_packed_length']} tokens, "
+             f"efficiency {100 * report.tokens / report.capacity:.1f}%")
+    echo(f"tokens per epoch: {report.tokens}")
+    if batch_size:
+        echo(f"iterations per epoch (batch_size={batch_size}, one process): {-(-report.rows_out // batch_size)}")
+
+
+def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
+                     batch_size: int | None) -> None:
+    """All checks and printouts for one build_preference_dataset node."""
+    from sfttool.dataset.load import check_json_file
+    from sfttool.dataset.preference import reward_token, run_preference_pipeline
+    from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
+    from sfttool.registry import build_if_config
+    from sfttool.dataset.preference import build_preference_dataset
+    args = pipeline_args(node, build_preference_dataset)
+    errors_before = len(findings.errors)
+    for file in json_source_files(args["dataset"]):
+        echo(f"Checking every line of {file}")
+        _guard(findings, check_json_file, file, False, args["dataset"].get("field"))
+    if len(findings.errors) > errors_before:
+        return
+    echo("Building the preference dataset ...")
+    raw = resolve_dataset(args["dataset"], args["split"], validate=False)
+    map_fn = resolve_map_fn(args["dataset_map_fn"])
+    echo(f"Validating all {len(raw)} rows ...")
+    check_pair_rows(raw, map_fn, source_name(args["dataset"]), findings, max_errors)
+    if len(findings.errors) > errors_before:
+        return
+    tokenizer = build_if_config(args["tokenizer"], "tokenizer")
+    packed = args["max_packed_length"] if args["pack_to_max_length"] else None
+    reward = reward_token(args["is_reward"], args["reward_token_id"])
+    result = _guard(findings, run_preference_pipeline, raw, tokenizer, args["max_length"], args["dataset_map_fn"],
+                    args["prompt_template"], packed, args["shuffle_before_pack"], args["max_dataset_length"],
+                    args["split"], args["num_proc"], args["seed"], source_name(args["dataset"]), True, reward)
+    if result is not None:
+        print_preference_stages(result[1], tokenizer, echo, color)
+        print_preference_stats(result[1], args, batch_size, echo)
