@@ -95,10 +95,15 @@ def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
 
 def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the pipeline's map fn stage and the schema check on every row; list the first errors."""
+    collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source), findings, max_errors)
+
+
+def collect_row_errors(rows, check: Callable[[dict, int], Any], findings: Findings, max_errors: int) -> None:
+    """``check(row, index)`` on every row: the first ``max_errors`` DatasetErrors listed, the rest counted."""
     found = 0
-    for index, row in enumerate(dataset):
+    for index, row in enumerate(rows):
         try:
-            check_row(row, index, map_fn, source)
+            check(row, index)
         except DatasetError as exc:
             found += 1
             if found <= max_errors:

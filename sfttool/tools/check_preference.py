@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.tools.check_dataset import (MASK_CLOSE, MASK_OPEN, Echo, Findings, _guard, _short, pipeline_args,
-                                         show_masked)
+from sfttool.tools.check_dataset import (MASK_CLOSE, MASK_OPEN, Echo, Findings, _guard, _short, collect_row_errors,
+                                         pipeline_args, show_masked)
 
 
 def is_preference_node(node: Any) -> bool:
@@ -23,23 +23,18 @@ def is_preference_node(node: Any) -> bool:
 def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the pair checks on every row; list the first errors."""
     from sfttool.dataset.preference_encode import pair_conversations
-    from sfttool.dataset.resolve import SafeMapFn
+    from sfttool.dataset.stages import SafeMapFn
     safe = SafeMapFn(map_fn, source) if map_fn is not None else None
-    found = 0
-    for index, row in enumerate(dataset):
-        try:
-            row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
-            missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
-            if missing:
-                raise DatasetError(f"{source or 'dataset'}, row {index}: no {', '.join(missing)}; set a "
-                                   "dataset_map_fn for this format (see docs/preference.md)")
-            pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
-        except DatasetError as exc:
-            found += 1
-            if found <= max_errors:
-                findings.error(str(exc))
-    if found > max_errors:
-        findings.error(f"... and {found - max_errors} more rows with errors")
+
+    def check(row: dict, index: int) -> None:
+        row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
+        missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
+        if missing:
+            raise DatasetError(f"{source or 'dataset'}, row {index}: no {', '.join(missing)}; set a "
+                               "dataset_map_fn for this format (see docs/preference.md)")
+        pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
+
+    collect_row_errors(dataset, check, findings, max_errors)
 
 
 def print_preference_stages(report, tokenizer, echo: Echo, color: bool) -> None:
