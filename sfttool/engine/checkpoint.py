@@ -31,8 +31,8 @@ from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
 from sfttool.utils.atomic import atomic_write_text, discard, publish, reported_save
+from sfttool.utils.checkpoint_file import CheckpointReadError, load_checkpoint  # noqa: F401  (re-exported)
 from sfttool.registry import BUILDER
-from sfttool.errors import SfttoolError
 
 _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
 BEST_POINTER = "best_checkpoint"  # beside last_checkpoint: the path of the save_best checkpoint
@@ -254,46 +254,6 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
         config = run_config(path.parent, checkpoint.get("meta")) or f"{path.parent}/<config name>.py"
         raise ConfigError(f"--resume {path} does not fit this model ({'; '.join(problems)}); resume with the "
                           f"config (and --cfg-options) the checkpoint was trained with: {config}")
-
-
-class CheckpointReadError(SfttoolError, ValueError):
-    """A file torch cannot read as a checkpoint; the message is one line that names it and says why."""
-
-
-def load_checkpoint(path: str | os.PathLike) -> Any:
-    """A checkpoint file as ``--resume`` reads it: ``weights_only`` with sfttool's allow-list
-    (``sfttool.compat.allow_mmengine_checkpoint_globals``), memory-mapped, so reading it costs
-    little more than the tensors' headers until they are used."""
-    import torch
-
-    from sfttool import compat
-
-    compat.allow_mmengine_checkpoint_globals()
-    path = Path(path)
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load fails on other files in many ways (KeyError on text, EOFError, ...)
-        raise CheckpointReadError(_unreadable(path, exc)) from None
-
-
-def _unreadable(path: Path, exc: Exception) -> str:
-    """One line for torch.load's failure (its own messages run to several paragraphs)."""
-    if isinstance(exc, OSError):
-        return f"{path}: cannot be read: {exc.strerror or exc}"
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-    if refused:
-        return (f"{path}: holds objects outside the safe-loading allow-list ({refused.group(1)}); "
-                "it was not written by `sfttool train`, or by a newer version")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    why = ("the file is empty" if not head else
-           "a zip file torch cannot read: truncated or corrupt" if head == b"PK\x03\x04" else
-           "torch.load cannot read it")
-    return (f"{path}: not an sfttool/mmengine checkpoint ({why}); give an iter_<n>.pth file "
-            "or DeepSpeed checkpoint folder from a training work dir")
 
 
 def run_config(work_dir: Path, meta: Any = None) -> Path | None:

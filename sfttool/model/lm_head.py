@@ -69,3 +69,9 @@ def gathered(*params: torch.Tensor | None):
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter: whole only inside its module's forward (or ``gathered``), so
+    a function that needs it again in backward (``chunked_token_log_probs``) cannot use it."""
+    return getattr(param, "ds_id", None) is not None

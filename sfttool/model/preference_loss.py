@@ -28,6 +28,12 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence_of: tor
     float32 tensors. The float32 upcast happens here, on the trained positions.
     """
     token_logps = -F.cross_entropy(logits.float(), targets, reduction="none")  # [n]
+    return summed_by_sequence(token_logps, sequence_of, num_sequences)
+
+
+def summed_by_sequence(token_logps: torch.Tensor, sequence_of: torch.Tensor,
+                       num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logps`` [n] (float32) summed per sequence, and the token counts: two [num_sequences]."""
     sums = token_logps.new_zeros(num_sequences).index_add(0, sequence_of, token_logps)
     counts = token_logps.new_zeros(num_sequences).index_add(0, sequence_of, torch.ones_like(token_logps))
     return sums, counts

@@ -123,11 +123,10 @@ class SupervisedFinetune(BaseModel):
         if os.path.isdir(path):
             load_adapter_folder(self.llm, path)
             return
-        # A checkpoint written by the runner: mmengine pickles its own objects beside the weights.
-        # Load them through the explicit allow-list, never with arbitrary unpickling.
-        from sfttool import compat
-        compat.allow_mmengine_checkpoint_globals()
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # A checkpoint written by the runner: mmengine pickles its own objects beside the weights,
+        # loaded through the explicit allow-list, never with arbitrary unpickling.
+        from sfttool.utils.checkpoint_file import load_checkpoint
+        ckpt = load_checkpoint(path)
         state = ckpt.get("state_dict", ckpt)
         missing = set(self.state_dict()) - set(state)
         if missing:
@@ -161,14 +160,17 @@ class SupervisedFinetune(BaseModel):
             input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
         return input_ids, position_ids, flat
 
-    def _run_llm(self, data: dict, logits_to_keep: Any = 0) -> torch.Tensor:
+    def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None) -> torch.Tensor:
+        """The logits of ``self.llm`` (or of another ``llm``, e.g. a frozen reference copy, run
+        through the same packed forward)."""
+        llm = self.llm if llm is None else llm
         input_ids, position_ids, flat = self._inputs(data)
         if flat and isinstance(logits_to_keep, torch.Tensor):
             logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
-        use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(self.llm)
+        use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(llm)
         kwargs = {"logits_to_keep": logits_to_keep} if use_keep else {}
-        logits = self.llm(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                          use_cache=False, **kwargs).logits
+        logits = llm(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                     use_cache=False, **kwargs).logits
         if flat and logits.dim() == 3:
             logits = logits.view(*data["input_ids"].shape, -1)
         return logits

@@ -111,6 +111,22 @@ def test_sequence_logps_equal_a_plain_forward_per_sequence(arch, tiny_llama_dir,
     assert counts.tolist() == [w[1] for w in want]
 
 
+def test_chunked_log_probs_and_gradients_equal_the_unchunked_ones(tiny_llama_dir):
+    """The default path runs the head over chunks of trained positions (no [n, vocab] logits);
+    'unchunked' computes every trained position's logits at once. Same sums, same gradients."""
+    data = batch([row_of(make_pairs(3, seed=5)), row_of(make_pairs(2, seed=6))])
+    results = []
+    for implementation, chunk in (("chunked", 7), ("unchunked", 512)):
+        model = make_model("DPO", tiny_llama_dir, loss_implementation=implementation, loss_chunk_size=chunk)
+        sums, _ = model.sequence_logps(data)
+        sums.sum().backward()
+        results.append((sums.detach(), grads_of(model)))
+    (chunked, chunked_grads), (plain, plain_grads) = results
+    assert_close(chunked, plain.tolist())
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6)
+
+
 # --- step 0 ----------------------------------------------------------------------------------------
 
 
