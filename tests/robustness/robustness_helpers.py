@@ -31,8 +31,9 @@ class SignalAt(Hook):
 
 
 class NaNLossAt(Hook):
-    """Makes the model's logits NaN during the given iterations (``from_iter`` on:
-    every iteration from there), so the loss is NaN as with a diverging run."""
+    """Makes the decoder's hidden states NaN during the given iterations (``from_iter`` on:
+    every iteration from there), so the loss is NaN as with a diverging run. The decoder, not
+    the whole LLM: the chunked loss runs the decoder and applies the head itself."""
 
     def __init__(self, iters=(), from_iter: int | None = None):
         self.iters, self.from_iter = set(iters), from_iter
@@ -43,10 +44,12 @@ class NaNLossAt(Hook):
 
         def poison(module, args, output):
             if self.active:
-                output.logits = output.logits * float("nan")
+                output.last_hidden_state = output.last_hidden_state * float("nan")
             return output
 
-        unwrap_model(runner.model).llm.register_forward_hook(poison)
+        llm = unwrap_model(runner.model).llm
+        base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm  # under a peft wrapper
+        base.get_decoder().register_forward_hook(poison)
 
     def before_train_iter(self, runner, batch_idx, data_batch=None):
         it = _now_iter(runner)
