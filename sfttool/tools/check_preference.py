@@ -23,7 +23,7 @@ def is_preference_node(node: Any) -> bool:
 def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the pair checks on every row; list the first errors."""
     from sfttool.dataset.preference_encode import pair_conversations
-    from sfttool.dataset.resolve import SafeMapFn
+    from sfttool.dataset.stages import SafeMapFn
     safe = SafeMapFn(map_fn, source) if map_fn is not None else None
     found = 0
     for index, row in enumerate(dataset):
