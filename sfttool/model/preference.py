@@ -13,6 +13,7 @@ whatever the micro-batch split. The rewards are logged beside the loss.
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,9 +31,12 @@ class PairwiseModel(SupervisedFinetune):
         """``(summed log-probs, trained-token counts)`` per sequence, [2 * pairs] each, of the policy
         or of another ``llm`` run with the same packed forward."""
         keep, targets, sequence_of = P.trained_positions(data)
-        # SFT's packed forward reads only `llm` and `flatten_batch`: the frozen reference copy runs
-        # through exactly the same code as the policy.
-        model = self if llm is None else SimpleNamespace(llm=llm, flatten_batch=self.flatten_batch)
+        # SFT's packed forward reads only `llm`, `flatten_batch` and `_inputs`: the frozen reference
+        # copy runs through exactly the same code as the policy.
+        model = self
+        if llm is not None:
+            model = SimpleNamespace(llm=llm, flatten_batch=self.flatten_batch)
+            model._inputs = functools.partial(SupervisedFinetune._inputs, model)
         logits = SupervisedFinetune._run_llm(model, data, logits_to_keep=keep)
         if logits.dim() == 3:  # the model ignored logits_to_keep: select here
             logits = logits[keep]
