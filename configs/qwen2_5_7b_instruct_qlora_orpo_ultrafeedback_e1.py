@@ -14,7 +14,6 @@ To start from an SFT run: merge its adapter into the base first (`sfttool merge`
 `pretrained_model_name_or_path` at the merged folder (see docs/preference.md).
 """
 
-from datasets import load_dataset
 from mmengine.config import read_base
 from mmengine.dataset import DefaultSampler
 from mmengine.hooks import CheckpointHook
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sfttool.dataset import build_preference_dataset
 from sfttool.dataset.collate_fns import preference_collate_fn
+from sfttool.dataset.data_path import load_data_path
 from sfttool.dataset.map_fns import ultrafeedback_binarized_map_fn
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
@@ -43,9 +43,10 @@ with read_base():
 pretrained_model_name_or_path = 'Qwen/Qwen2.5-7B-Instruct'
 use_varlen_attn = False   # True needs flash-attn; packed sequences are isolated either way
 
-# Data: whole conversations in `chosen`/`rejected`; the map fn splits off the shared prompt
+# Data: data_path is a hub name, or a local .json/.jsonl/.csv/.parquet file, a folder or a glob
 data_path = 'HuggingFaceH4/ultrafeedback_binarized'
-data_split = 'train_prefs'
+data_split = 'train_prefs'   # the split holding the pairs ('train' for a local file)
+dataset_map_fn = ultrafeedback_binarized_map_fn   # whole conversations -> prompt + one-message answers
 prompt_template = PROMPT_TEMPLATE.qwen_chat
 max_length = 2048            # tokens per sequence (prompt + answer); longer prompts lose early turns
 max_packed_length = 4096     # tokens per packed row: whole pairs, chosen + rejected together
@@ -70,8 +71,12 @@ seed = 42
 save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
 save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 
+# Logging: means over the last 10 iterations (loss, rewards/chosen, /rejected, /margins, /accuracies)
+log_interval = 10
+
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training
+evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short
 SYSTEM = ''
 evaluation_inputs = ['Can you explain what a large language model is, briefly?',
                      'Please tell me five scenic spots in Shanghai']
@@ -102,11 +107,11 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=build_preference_dataset,
-    dataset=dict(type=load_dataset, path=data_path),
+    dataset=dict(type=load_data_path, path=data_path),
     split=data_split,
     tokenizer=tokenizer,
     max_length=max_length,
-    dataset_map_fn=ultrafeedback_binarized_map_fn,
+    dataset_map_fn=dataset_map_fn,
     prompt_template=prompt_template,
     max_packed_length=max_packed_length,
     shuffle_before_pack=True,
@@ -120,19 +125,22 @@ train_dataloader = dict(
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
     collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
+# No validation: the validation loop measures the SFT token loss, which says nothing about
+# how well the model ranks chosen over rejected.
+
 ###############################################################################
 #                    PART 4  Scheduler & Optimizer                            #
 ###############################################################################
 optim_wrapper = dict(
-    type=AmpOptimWrapper,       # falls back to a plain OptimWrapper on CPU, with a warning
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
     optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
     clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
     accumulative_counts=accumulative_counts,
     loss_scale='dynamic',
     dtype='bfloat16')
 
-# Linear warm-up from lr x 1e-5 over warmup_ratio of the run, then cosine to 0.
-# Bounds are in epochs (10% of 1 epoch = 0.1), converted to iterations at run time.
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
 param_scheduler = [
     dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
          begin=0, end=warmup_ratio * max_epochs),
@@ -145,17 +153,21 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 ###############################################################################
 #                            PART 5  Runtime                                  #
 ###############################################################################
+# Hooks of this run: dataset statistics before training, sample generations every
+# `evaluation_freq` iterations and before and after training, throughput in the log.
 custom_hooks = [
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
-         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template),
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
+         max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
 ]
 
-# Timer, logger (every 10 iterations; the rewards are logged beside the loss), lr scheduler and
-# sampler-seed hooks come from _base_/runtime.py; the checkpoint hook depends on this run's settings.
+# Timer, lr scheduler and sampler-seed hooks come from _base_/runtime.py; the logger
+# (the rewards beside the loss) and the checkpoint hook depend on this run's settings.
 default_hooks = dict(
-    **base_hooks,
+    base_hooks,
+    logger=dict(base_hooks['logger'], interval=log_interval),
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
                     max_keep_ckpts=save_total_limit))
 

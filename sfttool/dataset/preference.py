@@ -30,6 +30,7 @@ from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
 from sfttool.dataset.pipeline import (apply_map_fn, content_fingerprint, default_num_proc, log, number_rows,
                                       select_rows, to_table)
 from sfttool.dataset.preference_encode import COLUMNS, encode_pair_batch
+from sfttool.dataset.report import PipelineReport, change_lines
 from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name
 from sfttool.registry import build_if_config
 
@@ -151,7 +152,7 @@ def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=
     dataset = select_rows(dataset, max_dataset_length, seed, report)
     map_fn = resolve_map_fn(dataset_map_fn)
     if map_fn is not None:
-        dataset = apply_map_fn(dataset, map_fn, num_proc, source)
+        dataset = map_pairs(dataset, map_fn, num_proc, source)
         stage("map_fn", dataset)
     require_pairs(dataset)
     dataset = encode_pairs(dataset, tokenizer, max_length, template, num_proc, source, reward_token_id)
@@ -165,6 +166,16 @@ def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=
     dataset = Dataset(rows, fingerprint=content_fingerprint(rows))
     stage("packed" if max_packed_length else "rows", dataset)
     return dataset, report
+
+
+def map_pairs(dataset, map_fn, num_proc: int, source: str | None):
+    """The dataset map fn on every row, through the SFT pipeline's stage; what a map fn that takes
+    ``notes`` changed in rows is logged the way SFT logs it."""
+    changes = PipelineReport()
+    dataset = apply_map_fn(dataset, map_fn, num_proc, source, changes)
+    for line in change_lines(changes):
+        log(f"Preference data: {line}", logging.WARNING)
+    return dataset
 
 
 def log_preference_report(report: PreferenceReport, max_length: int) -> None:

@@ -156,21 +156,51 @@ def _parts_3_to_5(path: Path) -> str:
 
 
 REFERENCE = CONFIG_DIR / "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
+# The families of configs that share PART 3-5, by the model class of PART 2, and the config each
+# family is pinned to. SFT; DPO and ORPO (the method, its loss and reference model are PART 1-2
+# settings); reward models (a score head: the data ends every sequence with the reward token,
+# and there is nothing to generate).
+PART_3_TO_5_REFERENCES = {
+    "SupervisedFinetune": REFERENCE,
+    "DPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
+    "ORPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
+    "RewardModel": CONFIG_DIR / "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1.py",
+}
+
+
+def _model_class(path: Path) -> str:
+    return _materialise(load_config(path.stem).model["type"]).__name__
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_parts_3_to_5_are_the_same_in_every_builtin_config(path):
+def test_parts_3_to_5_are_the_same_in_every_builtin_config_of_a_family(path):
     """Configs differ only where the runs differ: PART 1 (settings, the data source and its map fn)
-    and PART 2 (model and tokenizer). The demo is no exception."""
-    assert _parts_3_to_5(path) == _parts_3_to_5(REFERENCE)
+    and PART 2 (model and tokenizer). The demos are no exception."""
+    model_class = _model_class(path)
+    assert model_class in PART_3_TO_5_REFERENCES, f"{path.stem}: no family for {model_class}"
+    assert _parts_3_to_5(path) == _parts_3_to_5(PART_3_TO_5_REFERENCES[model_class])
+
+
+def test_the_families_have_different_references():
+    # Two references that were equal would be one family: keep the mapping honest.
+    texts = {ref: _parts_3_to_5(ref) for ref in PART_3_TO_5_REFERENCES.values()}
+    assert len(set(texts.values())) == len(texts) == 3
+
+
+def _chat_hooks(cfg) -> list[dict]:
+    return [h for h in cfg.custom_hooks if _materialise(h["type"]).__name__ == "EvaluateChatHook"]
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_sample_generation_length_is_a_part1_setting(path):
-    cfg = load_config(path.stem, ["evaluation_max_new_tokens=7"])
-    chat_hook = next(h for h in cfg.custom_hooks if _materialise(h["type"]).__name__ == "EvaluateChatHook")
-    assert chat_hook["max_new_tokens"] == 7
+    """Every config generates sample answers (EvaluateChatHook) as long as PART 1 says, except a
+    reward model's: it scores conversations and writes none, so it has neither hook nor setting."""
     text = path.read_text()
+    if _model_class(path) == "RewardModel":
+        assert _chat_hooks(load_config(path.stem)) == [] and "evaluation_max_new_tokens" not in text
+        return
+    (chat_hook,) = _chat_hooks(load_config(path.stem, ["evaluation_max_new_tokens=7"]))
+    assert chat_hook["max_new_tokens"] == 7
     assert text.index("evaluation_max_new_tokens = ") < text.index("PART 2 ")
 
 

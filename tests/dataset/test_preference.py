@@ -241,6 +241,40 @@ def test_jsonl_config_with_a_map_fn_name(tmp_path, tiny_tokenizer_dir):
     assert len(ds) == 1 and len(ds[0]["sample_lengths"]) == 2
 
 
+def test_a_map_fn_that_takes_notes_has_its_changes_counted_and_logged(tiny_tokenizer):
+    def trim_system(row, notes=None):  # the SFT map fns' convention: say what the row lost
+        notes.append("system prompt removed")
+        return {k: v for k, v in row.items() if k != "system"}
+    rows = [dict(PAIR, system="Be brief.") for _ in range(3)]
+    ds, log = logged(build, rows, tiny_tokenizer, dataset_map_fn=trim_system, max_packed_length=256)
+    assert sum(len(r["sample_lengths"]) for r in ds) == 6
+    assert "Preference data: changed 3 rows: system prompt removed (row 0, row 1, row 2)" in log
+
+
+def test_a_preference_config_reads_data_path_like_an_sft_one(tmp_path):
+    """PART 1's data_path (a file, folder or glob) reaches the dataset through load_data_path."""
+    from sfttool.config import load_config
+    from sfttool.registry import build as build_node
+    path = assets.write_jsonl(tmp_path / "pairs" / "part1.jsonl", [PAIR, PAIR])
+    for data_path in (path, path.parent, tmp_path / "pairs" / "*.jsonl"):
+        cfg = load_config("qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", [f"data_path={data_path}"])
+        rows = build_node(cfg.train_dataloader.dataset.dataset, "train_dataloader.dataset.dataset")
+        assert rows["train"].column_names == ["prompt", "chosen", "rejected"] and len(rows["train"]) == 2
+
+
+def test_a_preference_config_trains_on_your_pairs_from_the_command_line(tmp_path, tiny_tokenizer_dir):
+    """docs/preference.md: data_path, data_split and dataset_map_fn are all a run on your own pairs needs."""
+    from sfttool.config import load_config
+    from sfttool.registry import build as build_node
+    path = assets.write_jsonl(tmp_path / "pairs.jsonl", [PAIR, PAIR, PAIR])
+    cfg = load_config("qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", [
+        f"data_path={path}", "data_split=train", "dataset_map_fn=None",
+        f"pretrained_model_name_or_path={tiny_tokenizer_dir}", "max_length=64", "max_packed_length=128"])
+    assert cfg.train_dataset.dataset_map_fn is None and cfg.train_dataset.split == "train"
+    ds = build_node(cfg.train_dataloader.dataset, "train_dataloader.dataset")
+    assert sum(len(r["sample_lengths"]) for r in ds) == 6  # 3 pairs, two sequences each
+
+
 @pytest.mark.parametrize("row,message", [
     ({"question": "x"}, "preference rows need `prompt`, `chosen` and `rejected`"),
     ({"prompt": [user("q")], "chosen": "text", "rejected": [assistant("b")]}, "row 0, field 'chosen': expected a non"),

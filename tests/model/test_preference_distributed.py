@@ -89,6 +89,12 @@ def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0
     return path
 
 
+def _output(result, work_dir) -> str:
+    """What a run printed and what it logged: the console shows a progress bar, the log file every
+    iteration's scalars."""
+    return result.stdout + result.stderr + "".join(p.read_text() for p in sorted(work_dir.rglob("*.log")))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero,lora", [("zero2", True), ("zero3", True), ("zero3", False)],
                          ids=["zero2-lora", "zero3-lora", "zero3-full"])
@@ -99,11 +105,11 @@ def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_d
                  custom_hooks="[dict(type='engine_helpers.StopAfterIter', n=4)]")
     full = run_sfttool([str(go), "--work-dir", str(tmp_path / "full"), *launch], timeout=900)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    assert "rewards/margins" in full.stdout + full.stderr
+    assert "rewards/margins" in _output(full, tmp_path / "full")
     assert run_sfttool([str(stop), "--work-dir", str(tmp_path / "resumed"), *launch], timeout=900).returncode == 1
     result = run_sfttool([str(go), "--work-dir", str(tmp_path / "resumed"), *launch, "--resume"], timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Resuming at iteration 4" in result.stdout + result.stderr
+    assert "Resuming at iteration 4" in _output(result, tmp_path / "resumed")
 
     name = "hf_adapter/adapter_model.safetensors" if lora else "hf_model/model.safetensors"
     a, b = load_file(tmp_path / "full" / name), load_file(tmp_path / "resumed" / name)

@@ -129,16 +129,14 @@ def ultrafeedback_jsonl(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in PREFERENCE_CONFIGS if n != DEMO])
 def test_shipped_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_dir, ultrafeedback_jsonl):
-    cfg = load_config(name)
-    model_dir = str(tiny_qwen2_dir)
-    options = {"model.llm.pretrained_model_name_or_path": model_dir, "model.llm.dtype": "float32",
-               "train_dataloader.dataset.tokenizer.pretrained_model_name_or_path": model_dir,
-               "train_dataloader.dataset.max_length": 128, "train_dataloader.dataset.max_packed_length": 512,
-               "train_dataloader.dataset.num_proc": 1, "train_dataloader.dataset.split": "train",
-               "train_dataloader.dataset.dataset": dict(path="json", data_files=[str(ultrafeedback_jsonl)])}
+    # Pointed at tiny assets the way a user would: PART 1 settings from the command line.
+    options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={ultrafeedback_jsonl}",
+               "data_split=train", "max_length=128", "max_packed_length=512", "model.llm.dtype=float32",
+               "train_dataloader.dataset.num_proc=1"]
     if "_reward_" in name:  # the tiny vocabulary has no id 151643: end sequences with its EOS instead
-        options.update({"model.reward_token_id": 2, "train_dataloader.dataset.reward_token_id": 2})
-    cfg.merge_from_dict(options)
+        options.append("reward_token_id=2")
+    cfg = load_config(name, options)
+    assert cfg.train_dataloader.dataset.dataset.path == str(ultrafeedback_jsonl)
     dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
     assert sum(len(row["sample_lengths"]) for row in dataset) == 16  # 8 pairs, two sequences each
     collate_cfg = dict(cfg.train_dataloader.collate_fn)
