@@ -146,5 +146,8 @@ def test_real_model_packed_row_is_isolated(smollm2_dir, make_sft, rows):
     with torch.no_grad():
         logits = model(data, mode="tensor")[0]
         loss = model(data, mode="loss")["loss"]
-    assert torch.allclose(logits, torch.cat(want_logits), atol=1e-4)
+    # A packed row runs the real model's float32 matmuls in other shapes than the separate rows,
+    # and the summation order those shapes get depends on the CPU's kernels: 2.3e-4 at most on an
+    # AVX2 machine (logits up to ~25). Attention leaking between samples moves logits by ~0.1.
+    assert torch.allclose(logits, torch.cat(want_logits), atol=1e-3)
     assert torch.allclose(loss, want_loss, atol=1e-5)
