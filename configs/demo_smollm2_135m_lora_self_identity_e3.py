@@ -52,13 +52,13 @@ dataset_map_fn = None          # rows are already in the standard `conversation`
 # Render with SmolLM2's own chat template, so training text is exactly what
 # `tokenizer.apply_chat_template` gives any user of the merged model.
 prompt_template = PROMPT_TEMPLATE.hf_chat_template
-max_length = 256             # 82 samples of ~60 tokens pack into ~20 rows
+max_length = 256             # the 74 training samples of ~60 tokens pack into 17 rows
 pack_to_max_length = True
 
 # Scheduler & optimizer
 batch_size = 1               # rows per step
 accumulative_counts = 1
-# => ~20 optimizer steps per epoch, ~60 in all, each up to 256 tokens
+# => 17 optimizer steps per epoch, 51 in all, each up to 256 tokens
 dataloader_num_workers = 0
 max_epochs = 3
 lr = 1e-3                    # high for LoRA, because the run is short

@@ -339,3 +339,18 @@ def test_hooks_are_built_through_sfttools_build_with_mmengines_priority_key():
     with pytest.raises(ConfigBuildError, match=r"^default_hooks\.logger: building LoggerHook failed: .*'intervl'"):
         _build_hook(dict(type=LoggerHook, intervl=3), "default_hooks.logger")
     assert _build_hook(dict(type="IterTimerHook"), "default_hooks.timer") == dict(type="IterTimerHook")
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_each_validation_is_one_line_under_the_progress(tty):
+    from mmengine.logging import MessageHub
+
+    from sfttool.engine.hooks.progress_hook import ProgressHook
+
+    stream = _Stream(tty)
+    hook = ProgressHook(interval=10, stream=stream)
+    runner = SimpleNamespace(iter=10, max_iters=20, message_hub=MessageHub.get_instance(f"val_{tty}"), hooks=[hook])
+    hook.after_val_epoch(runner, {"val/loss": 0.56981, "val/ppl": 1.76801})
+    hook.after_val_epoch(runner, {"accuracy": 1.0})  # another metric: nothing to say here
+    # On a terminal the bar's line is open: the validation starts a new line and the bar redraws below.
+    assert stream.getvalue() == ("\n" if tty else "") + "validation at iter 10: val/loss 0.5698 (ppl 1.77)\n"

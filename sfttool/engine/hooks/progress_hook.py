@@ -46,6 +46,12 @@ def progress_line(done: int, total: int, loss: float | None, lr: float | None, t
     return " | ".join(parts)
 
 
+def validation_line(step: int, metrics: dict) -> str:
+    """``validation at iter 20: val/loss 0.5698 (ppl 1.77)``."""
+    line = f"validation at iter {step}: val/loss {metrics['val/loss']:.4f}"
+    return line + (f" (ppl {metrics['val/ppl']:.2f})" if "val/ppl" in metrics else "")
+
+
 def planned_end(runner) -> int:
     """The iteration this run ends after: the loop's end, or where ``--max-steps`` stops it."""
     stops = [h.stop_at for h in runner.hooks if getattr(h, "stop_at", None) is not None]
@@ -89,6 +95,17 @@ class ProgressHook(Hook):
         line = self._line(runner, done, total, bar=tty)
         self._out().write(("\r" + line + ("\n" if done >= total else "")) if tty else line + "\n")
         self._out().flush()
+
+    def after_val_epoch(self, runner, metrics=None) -> None:
+        """One line per validation, under the bar (which it ends on a terminal)."""
+        from mmengine.dist import is_main_process
+
+        if not is_main_process() or not metrics or "val/loss" not in metrics:
+            return
+        out = self._out()
+        line = validation_line(runner.iter, metrics)
+        out.write(("\n" if out.isatty() and runner.iter < planned_end(runner) else "") + line + "\n")
+        out.flush()
 
     def after_train(self, runner) -> None:
         from mmengine.dist import is_main_process
