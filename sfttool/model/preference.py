@@ -18,8 +18,6 @@ from typing import Any
 import torch
 
 from sfttool.model import preference_loss as P
-from sfttool.model.chunked_loss import chunked_token_log_probs
-from sfttool.model.lm_head import is_partitioned, split_lm
 from sfttool.model.sft import SupervisedFinetune
 from sfttool.registry import ConfigBuildError
 
@@ -31,21 +29,8 @@ class PairwiseModel(SupervisedFinetune):
         """``(summed log-probs, trained-token counts)`` per sequence, [2 * pairs] each, of the policy
         or of another ``llm`` run with the same packed forward."""
         keep, targets, sequence_of = P.trained_positions(data)
-        sequences = 2 * P.count_pairs(data)
-        # The frozen reference copy runs through exactly the same packed forward as the policy.
-        llm = self.llm if llm is None else llm
-        parts = split_lm(llm)[0] if self.loss_implementation != "unchunked" else None
-        if parts is not None and parts.plain_linear and not is_partitioned(parts.head.weight):
-            # As SFT's loss: the head runs one chunk of trained positions at a time, so a row's
-            # [n, vocab] logits never exist (chunked_token_log_probs needs the head's weight whole).
-            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
-            token_logps = chunked_token_log_probs(hidden, parts.head.weight, parts.head.bias, targets,
-                                                  self.loss_chunk_size)  # [n]
-            return P.summed_by_sequence(token_logps, sequence_of, sequences)
-        logits = self._run_llm(data, logits_to_keep=keep, llm=llm)
-        if logits.dim() == 3:  # the model ignored logits_to_keep: select here
-            logits = logits[keep]
-        return P.sequence_logps(logits, targets, sequence_of, sequences)
+        token_logps = self.trained_token_log_probs(data, keep, targets, llm)  # [n]
+        return P.summed_by_sequence(token_logps, sequence_of, 2 * P.count_pairs(data))
 
     def count_loss_units(self, data: dict) -> int:
         """Pairs in the batch: the loss is a mean over pairs."""

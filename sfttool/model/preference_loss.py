@@ -19,18 +19,6 @@ AVERAGED = ("ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sequence_of: torch.Tensor,
-                   num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probability of each sequence's trained tokens, and their count.
-
-    ``logits`` [n, vocab] and ``targets`` [n] hold the trained positions only,
-    ``sequence_of`` [n] the sequence each belongs to. Returns two [num_sequences]
-    float32 tensors. The float32 upcast happens here, on the trained positions.
-    """
-    token_logps = -F.cross_entropy(logits.float(), targets, reduction="none")  # [n]
-    return summed_by_sequence(token_logps, sequence_of, num_sequences)
-
-
 def summed_by_sequence(token_logps: torch.Tensor, sequence_of: torch.Tensor,
                        num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logps`` [n] (float32) summed per sequence, and the token counts: two [num_sequences]."""

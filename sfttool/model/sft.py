@@ -28,7 +28,7 @@ from sfttool.model.build import build_llm, resize_embeddings
 from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cross_entropy,
                                         chunked_linear_cross_entropy, chunked_token_log_probs)
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
-from sfttool.model.lm_head import gathered, split_lm
+from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
 
@@ -205,30 +205,46 @@ class SupervisedFinetune(BaseModel):
         keep = targets != L.IGNORE_INDEX  # [batch, seq] positions that predict a trained token
         return targets, keep, position_ids
 
+    def trained_token_log_probs(self, data: dict, keep: torch.Tensor, targets: torch.Tensor,
+                                llm: Any = None) -> torch.Tensor:
+        """``log p(target)`` of each trained position, [n] float32 in row-major order, for ``self.llm``
+        or another ``llm`` (a frozen reference copy) run through the same packed forward. ``keep``
+        [batch, seq] marks the positions, ``targets`` [n] holds their targets. Like the training loss
+        the head runs over ``loss_chunk_size`` positions at a time where the model allows it, so a
+        row's [n, vocab] logits never exist."""
+        llm = self.llm if llm is None else llm
+        parts = self._lm_parts(llm)
+        # chunked_token_log_probs keeps the head's weight until backward: a ZeRO-3 partitioned head
+        # can be used whole only where no backward follows.
+        if parts is not None and parts.plain_linear and not (torch.is_grad_enabled()
+                                                            and is_partitioned(parts.head.weight)):
+            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
+            with gathered(parts.head.weight, parts.head.bias):
+                return chunked_token_log_probs(hidden, parts.head.weight, parts.head.bias, targets,
+                                               self.loss_chunk_size)
+        logits = self._run_llm(data, logits_to_keep=keep, llm=llm)
+        if logits.dim() == 3:  # the model ignored logits_to_keep: select here
+            logits = logits[keep]
+        return -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+
     def summed_row_losses(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of the batch: the summed token cross-entropy (float64) and the trained-token
         count, ``([batch], [batch])``. Validation adds these up over the whole set, so its loss is
-        the token mean whatever the packing, batch size or process count. Chunked like the training
-        loss where the model allows it, so validation never holds a row's logits either."""
+        the token mean whatever the packing, batch size or process count."""
         targets, keep, _ = self._trained_positions(data)
-        parts = split_lm(self.llm)[0] if self.loss_implementation != "unchunked" else None
-        if parts is not None and parts.plain_linear:
-            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
-            with gathered(parts.head.weight, parts.head.bias):
-                per_token = -chunked_token_log_probs(hidden, parts.head.weight, parts.head.bias, targets[keep],
-                                                     self.loss_chunk_size)  # [n]
-        else:
-            logits = self._run_llm(data, logits_to_keep=keep)
-            if logits.dim() == 3:  # the model ignored logits_to_keep: select here
-                logits = logits[keep]
-            per_token = torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="none")  # [n]
+        per_token = -self.trained_token_log_probs(data, keep, targets[keep])  # [n]
         row_of = keep.nonzero()[:, 0]  # [n] the row of each trained position (row-major, as the hidden states)
         sums = per_token.new_zeros(keep.shape[0], dtype=torch.float64).index_add(0, row_of, per_token.double())
         return sums, keep.sum(dim=1)
 
+    def _lm_parts(self, llm: Any = None):
+        """The decoder and head to run the loss in chunks, or None: the model's logits are not
+        head(hidden states), or ``loss_implementation='unchunked'``."""
+        return split_lm(self.llm if llm is None else llm)[0] if self.loss_implementation != "unchunked" else None
+
     def compute_loss(self, data: dict) -> dict:
         targets, keep, position_ids = self._trained_positions(data)
-        parts = split_lm(self.llm)[0] if self.loss_implementation != "unchunked" else None
+        parts = self._lm_parts()
         if parts is None:
             total = self._unchunked_loss(data, targets, keep, position_ids)
         else:
