@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sfttool.dataset.conversation import JOIN, NOTE_LEADING_ASSISTANT, NOTE_UNANSWERED
+from sfttool.dataset.conversation import (JOIN, NOTE_LEADING_ASSISTANT, NOTE_TWO_ASSISTANTS, NOTE_TWO_USERS,
+                                          NOTE_UNANSWERED)
 
 ROLES = ("system", "user", "assistant", "tool")
 # Message keys the chat templates read; anything else (ids, names) is kept as written.
@@ -141,6 +142,10 @@ def tool_turns(messages: list[dict], tools: list[dict], notes: list[str] | None 
         roles = [m["role"] for m in own[:-1]]
         if "user" in roles and "tool" in roles[roles.index("user"):]:
             _note(notes, NOTE_TOOL_BEFORE_USER)
+        if ("user", "user") in zip(roles, roles[1:]):
+            _note(notes, NOTE_TWO_USERS)
+        if conversation and not roles:  # the previous turn's answer, then this one
+            _note(notes, NOTE_TWO_ASSISTANTS)
         turn = {"system": JOIN.join(systems), "tools": json.dumps(tools, ensure_ascii=False) if tools else ""} \
             if not conversation else {}
         turn.update(input=JOIN.join(m["content"] for m in own if m["role"] == "user"),

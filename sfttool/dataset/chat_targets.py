@@ -135,17 +135,17 @@ def chat_template_samples(conversation: list[dict], tokenizer, specials: list[st
     ``[('<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nA<|im_end|>\\n', [(44, 54)])]``
     """
     options = options or {}
-    messages = to_messages(conversation)
+    owners: list[int] = []
+    messages = to_messages(conversation, owners=owners)
     tools = row_tools(conversation)
     kwargs = template_kwargs(messages, options)
     plain = [{k: v for k, v in m.items() if k != "loss"} for m in messages]
-    answers, turn = [], 0
+    answers = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        # Each turn holds one answer; its own ``loss`` overrides the turn's flag.
-        trained = message["loss"] if "loss" in message else flag(conversation[turn], "output_with_loss")
-        turn += 1
+        # An answer's own ``loss`` overrides the flag of the turn that holds it.
+        trained = message["loss"] if "loss" in message else flag(conversation[owners[k]], "output_with_loss")
         if trained:
             train_reasoning = message.get("loss") is True or options.get("train_on_reasoning", True)
             answers.append(_answer(tokenizer, plain, k, tools, kwargs, specials, train_reasoning, row))

@@ -31,8 +31,12 @@ JOIN = "\n\n"  # between consecutive messages of one role, joined into one
 # What converting a message list changed, reported per row (never silently).
 NOTE_LEADING_ASSISTANT = "conversation starts with an assistant message (dropped: nothing asked it)"
 NOTE_UNANSWERED = "final user message without an answer (dropped)"
-NOTE_TWO_USERS = "two user messages in a row (joined with a blank line)"
-NOTE_TWO_ASSISTANTS = "two assistant messages in a row (joined with a blank line)"
+# A prompt template renders one question and one answer per turn, so it gets the run joined; a
+# chat template gets the messages as written (the turn's ``messages``), without an empty turn between.
+NOTE_TWO_USERS = ("two user messages in a row (a prompt template joins them with a blank line; "
+                  "a chat template gets them as written)")
+NOTE_TWO_ASSISTANTS = ("two assistant messages in a row (a prompt template joins them with a blank line; "
+                       "a chat template gets them as written)")
 
 
 def is_empty(conversation: Any) -> bool:
@@ -148,23 +152,26 @@ def flag(turn: dict, key: str) -> bool:
     return True if value is None else bool(value)
 
 
-def to_messages(conversation: list[dict], with_last_output: bool = True) -> list[dict]:
+def to_messages(conversation: list[dict], with_last_output: bool = True, owners: list[int] | None = None) -> list[dict]:
     """Standard turns -> chat messages (``system`` / ``user`` / ``assistant``), as written: a turn
     without ``input`` adds no empty user message (the chat template sees two answers in a row,
-    or an answer first, and renders them as it does or says it cannot)."""
+    or an answer first, and renders them as it does or says it cannot). ``owners`` (a list)
+    receives the turn index of each message (the system message counts as turn 0's)."""
     messages = []
     for i, turn in enumerate(conversation):
         if i == 0 and turn.get("system"):
             messages.append({"role": "system", "content": turn["system"]})
-        if turn.get("messages"):  # the turn's own messages: tool results, reasoning, tool calls
+        if turn.get("messages"):  # the turn's own messages: runs of one role, tool results, reasoning, calls
             own = json_list(turn["messages"])
             last = i == len(conversation) - 1
             messages += own if with_last_output or not last else [m for m in own if m.get("role") != "assistant"]
-            continue
-        if turn.get("input") or (with_last_output is False and i == len(conversation) - 1):
-            messages.append({"role": "user", "content": turn.get("input") or ""})
-        if with_last_output or i < len(conversation) - 1:
-            messages.append({"role": "assistant", "content": turn["output"]})
+        else:
+            if turn.get("input") or (with_last_output is False and i == len(conversation) - 1):
+                messages.append({"role": "user", "content": turn.get("input") or ""})
+            if with_last_output or i < len(conversation) - 1:
+                messages.append({"role": "assistant", "content": turn["output"]})
+        if owners is not None:
+            owners += [i] * (len(messages) - len(owners))
     return messages
 
 
@@ -184,39 +191,58 @@ def turns_from_messages(messages: list[tuple[str, str, bool]], notes: list[str] 
     [{'system': 'S', 'input': 'Q', 'output': 'A'}]
 
     System messages before the first answer are the first turn's ``system``
-    (joined with a blank line); consecutive messages of one role are joined
-    the same way; a leading answer and a final unanswered question are dropped.
+    (joined with a blank line); a leading answer and a final unanswered question
+    are dropped. Consecutive messages of one role are joined the same way into the
+    turn's ``input``/``output`` (what a prompt template renders), and the turn keeps
+    them as written in ``messages`` (what a chat template gets)::
+
+        >>> turn, = turns_from_messages([('user', 'Q1', True), ('user', 'Q2', True), ('assistant', 'A', True)])
+        >>> turn['input'], [m['content'] for m in json.loads(turn['messages'])]
+        ('Q1\\n\\nQ2', ['Q1', 'Q2', 'A'])
+
     Each change is appended to ``notes`` once per row (the pipeline counts them).
     ``loss_flags`` gives every turn ``output_with_loss`` (False only when
-    every message joined into its answer said so).
+    every message joined into its answer said so) and each kept assistant message its ``loss``.
     """
-    merged = _merge_runs([m for m in messages if m[0] != "system"], notes)
+    runs = _merge_runs([m for m in messages if m[0] != "system"], notes)
     systems = [text for role, text, _ in messages if role == "system"]
-    if merged and merged[0][0] == "assistant":
-        merged.pop(0)
+    if runs and runs[0][0][0] == "assistant":
+        runs.pop(0)
         _note(notes, NOTE_LEADING_ASSISTANT)
-    if merged and merged[-1][0] == "user":
-        merged.pop()
+    if runs and runs[-1][0][0] == "user":
+        runs.pop()
         _note(notes, NOTE_UNANSWERED)
     conversation = []
-    for (_, question, _), (_, answer, trained) in zip(merged[0::2], merged[1::2]):
+    for questions, answers in zip(runs[0::2], runs[1::2]):
         turn = {"system": JOIN.join(systems)} if systems and not conversation else {}
-        turn.update(input=question, output=answer)
+        turn.update(input=JOIN.join(text for _, text, _ in questions),
+                    output=JOIN.join(text for _, text, _ in answers))
         if loss_flags:
-            turn["output_with_loss"] = trained
+            turn["output_with_loss"] = any(trained for _, _, trained in answers)
+        if len(questions) > 1 or len(answers) > 1:
+            turn["messages"] = json.dumps([_message(m, loss_flags) for m in questions + answers], ensure_ascii=False)
         conversation.append(turn)
     return conversation
 
 
-def _merge_runs(messages: list[tuple[str, str, bool]], notes: list[str] | None) -> list[tuple[str, str, bool]]:
-    merged: list[tuple[str, str, bool]] = []
-    for role, text, trained in messages:
-        if merged and merged[-1][0] == role:
-            _note(notes, NOTE_TWO_USERS if role == "user" else NOTE_TWO_ASSISTANTS)
-            merged[-1] = (role, merged[-1][1] + JOIN + text, merged[-1][2] or trained)
+def _message(message: tuple[str, str, bool], loss_flags: bool) -> dict:
+    role, text, trained = message
+    out = {"role": role, "content": text}
+    if loss_flags and role == "assistant":
+        out["loss"] = trained
+    return out
+
+
+def _merge_runs(messages: list[tuple[str, str, bool]], notes: list[str] | None) -> list[list[tuple[str, str, bool]]]:
+    """Messages grouped into runs of one role, each change noted."""
+    runs: list[list[tuple[str, str, bool]]] = []
+    for message in messages:
+        if runs and runs[-1][0][0] == message[0]:
+            _note(notes, NOTE_TWO_USERS if message[0] == "user" else NOTE_TWO_ASSISTANTS)
+            runs[-1].append(message)
         else:
-            merged.append((role, text, trained))
-    return merged
+            runs.append([message])
+    return runs
 
 
 def _note(notes: list[str] | None, note: str) -> None:

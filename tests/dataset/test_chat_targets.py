@@ -224,6 +224,49 @@ def test_plain_multi_turn_chat_under_qwen3_is_two_samples(tokenizers):
     assert out["input_ids"][1] == ids_of(tok, PLAIN_ROW["messages"], None)
 
 
+# Two user and two assistant messages in a row: a prompt template needs them joined into one turn, the
+# chat template gets them as written (no empty turn between, no text glued), each answer trained.
+RUNS_ROW = {"tools": None, "messages": [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Q1"}, {"role": "user", "content": "More context."},
+    {"role": "assistant", "content": "A1"}, {"role": "assistant", "content": "A1, continued."},
+    {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+def test_runs_of_one_role_reach_the_chat_template_as_written(tokenizers, name):
+    _, _, end_token, _, _ = CASES[name]
+    tok = tokenizers[name]
+    notes = []
+    assert [t["input"] for t in openai_map_fn(RUNS_ROW, notes)["conversation"]] == ["Q1\n\nMore context.", "Q2"]
+    assert len(notes) == 2  # both runs reported
+    out = encode_row(tok, RUNS_ROW)
+    assert out["input_ids"] == [ids_of(tok, RUNS_ROW["messages"], None)]  # one sample: the messages as written
+    runs = trained_runs(out["input_ids"][0], out["labels"][0])
+    assert runs == inference_targets(tok, RUNS_ROW, end_token)  # all three answers, each as produced
+    assert len(runs) == 3
+
+
+def test_an_untrained_answer_in_a_run_keeps_its_own_loss_flag(tokenizers):
+    tok = tokenizers["qwen2.5"]
+    row = json.loads(json.dumps(RUNS_ROW))
+    row["messages"][4]["loss"] = False  # "A1, continued." is context only
+    out = encode_row(tok, row)
+    trained = tok.decode([t for t in out["labels"][0] if t != IGNORE])
+    assert trained == "A1<|im_end|>A2<|im_end|>"
+    assert out["input_ids"] == [ids_of(tok, RUNS_ROW["messages"], None)]
+
+
+def test_sharegpt_runs_of_one_role_encode_as_the_openai_row(tokenizers):
+    from sfttool.dataset.map_fns import sharegpt_map_fn
+    tok = tokenizers["qwen2.5"]
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    row = {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in RUNS_ROW["messages"]]}
+    conversation = sharegpt_map_fn(row)["conversation"]
+    out = encode_batch({"conversation": [conversation]}, [7], tok, 10**6, hf_chat_template=True)
+    assert out == encode_row(tok, RUNS_ROW)
+
+
 # ---------------------------------------------------------------------------
 # Through the pipeline and the stream: split samples stay whole and isolated; splits and ignored
 # fields are counted.

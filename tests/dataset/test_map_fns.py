@@ -78,7 +78,8 @@ def test_oasst1_pairs_by_speaker():
 
 def test_oasst1_joins_consecutive_segments_of_one_speaker_as_sharegpt():
     row = {"text": "### Human: A### Human: B### Assistant: C### Assistant: D### Human: E### Assistant: F"}
-    assert oasst1_map_fn(row) == {"conversation": [{"input": "A\n\nB", "output": "C\n\nD"},
+    joined = _messages(("user", "A"), ("user", "B"), ("assistant", "C"), ("assistant", "D"))
+    assert oasst1_map_fn(row) == {"conversation": [{"input": "A\n\nB", "output": "C\n\nD", "messages": joined},
                                                    {"input": "E", "output": "F"}]}
     messages = [{"from": "human", "value": "A"}, {"from": "human", "value": "B"}, {"from": "gpt", "value": "C"}]
     assert oasst1_map_fn({"text": "### Human: A### Human: B### Assistant: C"}) == sharegpt_map_fn(
@@ -99,6 +100,19 @@ def test_oasst1_markdown_heading_in_an_answer_is_kept_whole():
         {"input": "How do I install it?", "output": "Like this.\n### Steps\n1. a"},
         {"input": "Thanks!", "output": "You're welcome."},
     ]}
+
+
+def _without_messages(result):
+    """A map fn's turns without ``messages`` (the messages a run of one role was joined from)."""
+    return {"conversation": [{k: v for k, v in turn.items() if k != "messages"} for turn in result["conversation"]]}
+
+
+def _messages(*pairs, loss=None):
+    """``messages`` JSON text as the map fns write it: ``(role, text)`` pairs, ``loss`` per assistant message."""
+    loss = list(loss or [])
+    out = [{"role": role, "content": text, **({"loss": loss.pop(0)} if loss and role == "assistant" else {})}
+           for role, text in pairs]
+    return json.dumps(out, ensure_ascii=False)
 
 
 def _oasst1_split_at_every_hash(text):
@@ -126,7 +140,7 @@ def _oasst1_split_at_every_hash(text):
     "### Assistant: hi### Human: Q### Human: more### Assistant: A",
 ])
 def test_oasst1_rows_without_other_hashes_are_split_as_before(text):
-    assert oasst1_map_fn({"text": text}) == _oasst1_split_at_every_hash(text)
+    assert _without_messages(oasst1_map_fn({"text": text})) == _oasst1_split_at_every_hash(text)
     assert oasst1_map_fn({"text": text})["conversation"]
 
 
@@ -153,10 +167,15 @@ def test_openai_consecutive_messages_of_one_role_are_joined_with_a_blank_line_an
                         {"role": "assistant", "content": "c", "loss": True},
                         {"role": "assistant", "content": "d", "loss": False}]}
     notes = []
+    # A prompt template renders the joined text; a chat template gets the messages as written, each
+    # answer with its own loss flag.
+    as_written = _messages(("user", "a"), ("user", "b"), ("assistant", "c"), ("assistant", "d"), loss=[True, False])
     assert openai_map_fn(row, notes) == {"conversation": [{"input": "a\n\nb", "output": "c\n\nd",
-                                                           "output_with_loss": True}]}
-    assert notes == ["two user messages in a row (joined with a blank line)",
-                     "two assistant messages in a row (joined with a blank line)"]
+                                                           "output_with_loss": True, "messages": as_written}]}
+    assert notes == ["two user messages in a row (a prompt template joins them with a blank line; "
+                     "a chat template gets them as written)",
+                     "two assistant messages in a row (a prompt template joins them with a blank line; "
+                     "a chat template gets them as written)"]
 
 
 @pytest.mark.parametrize("fn, row", [
@@ -411,8 +430,10 @@ def test_sharegpt_merges_consecutive_same_role_messages():
         {"from": "gpt", "value": "Answer A."}, {"from": "chatgpt", "value": "Answer B."},
         {"from": "human", "value": "Next?"}, {"from": "gpt", "value": "Done."},
     ]}
+    as_written = _messages(("user", "Part one."), ("user", "Part two."), ("assistant", "Answer A."),
+                           ("assistant", "Answer B."))
     assert sharegpt_map_fn(row) == {"conversation": [
-        {"input": "Part one.\n\nPart two.", "output": "Answer A.\n\nAnswer B."},
+        {"input": "Part one.\n\nPart two.", "output": "Answer A.\n\nAnswer B.", "messages": as_written},
         {"input": "Next?", "output": "Done."},
     ]}
 

@@ -494,7 +494,8 @@ def test_rows_a_map_fn_changed_are_counted_and_named_as_in_a_stream(tiny_tokeniz
                              dataset_map_fn="sharegpt_map_fn")
     assert change_lines(report) == [
         "changed 1 rows: conversation starts with an assistant message (dropped: nothing asked it) (row 1)",
-        "changed 1 rows: two user messages in a row (joined with a blank line) (row 2)",
+        "changed 1 rows: two user messages in a row (a prompt template joins them with a blank line; "
+        "a chat template gets them as written) (row 2)",
         "changed 1 rows: final user message without an answer (dropped) (row 2)"]
     stream = StreamingPackedDataset(SHAREGPT_ROWS, tiny_tokenizer, 64, dataset_map_fn="sharegpt_map_fn",
                                     template_map_fn=QWEN)

@@ -4,7 +4,8 @@ Real ShareGPT dumps are messy; this map fn accepts the common variants:
 
 - role spellings (case-insensitive): human/user; gpt/assistant/chatgpt/bing/bard/model; system;
 - ``role``/``content`` keys instead of ``from``/``value``; a ``messages`` column instead of ``conversations``;
-- consecutive messages from the same side are joined with a blank line into one message;
+- consecutive messages from the same side are one turn: joined with a blank line in ``input``/``output``
+  (for a prompt template), kept as written in ``messages`` (for the tokenizer's chat template);
 - leading assistant messages are dropped (nothing asked them), and so is a final unanswered user message;
 - system messages before the first user message become the first turn's ``system``.
 
