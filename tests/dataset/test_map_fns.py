@@ -575,3 +575,19 @@ def test_openai_tool_call_errors_name_the_message():
     with pytest.raises(MapFnError, match=r"messages\[2\] is a system message after the conversation started"):
         openai_map_fn({"messages": [{"role": "user", "content": "q"}, {**call, "tool_calls": []},
                                     {"role": "system", "content": "s"}, {"role": "tool", "content": "x"}]})
+
+
+def test_runs_of_one_role_in_tool_rows_are_noted_and_kept_as_written():
+    from sfttool.dataset.conversation import NOTE_TWO_ASSISTANTS, NOTE_TWO_USERS
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "42"}, {"role": "assistant", "content": "c"},
+                        {"role": "assistant", "content": "d"}]}
+    notes = []
+    turns = openai_map_fn(row, notes)["conversation"]
+    assert notes == [NOTE_TWO_USERS, NOTE_TWO_ASSISTANTS]
+    assert [[m["content"] for m in json.loads(t["messages"])] for t in turns] == [["a", "b", ""], ["42", "c"], ["d"]]
+    notes = []
+    openai_map_fn({"messages": row["messages"][1:5]}, notes)  # one question, a call, its result, one answer
+    assert notes == []
