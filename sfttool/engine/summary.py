@@ -9,6 +9,7 @@ the run's log file; with ``--verbose`` the full config and hook table follow it.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from sfttool.engine.assemble import RunPlan, iters_per_epoch, this_run_iters, total_iters, train_loop_cfg
@@ -50,13 +51,23 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.2f} M"
 
 
+def model_source(cfg: Any, model: Any) -> str:
+    """The model's name or folder as the config gives it; where the config builds the folder
+    (``dict(type=export_smollm2)``), the folder it was loaded from."""
+    llm = (cfg.get("model") or {}).get("llm") or {}
+    source = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    loaded = getattr(getattr(model, "llm", None), "name_or_path", None)  # peft forwards it to the base model
+    return str(loaded) if loaded else "the model"
+
+
 def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: int = 1) -> str:
     import torch
 
     from sfttool.engine.export import export_folder_name
 
-    llm = (cfg.get("model") or {}).get("llm") or {}
-    source = llm.get("pretrained_model_name_or_path", "the model") if isinstance(llm, dict) else "the model"
+    source = model_source(cfg, model)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "?")
     device = "GPU" if torch.cuda.is_available() else "CPU"
     trained, total = count_parameters(model)
