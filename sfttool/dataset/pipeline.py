@@ -122,7 +122,8 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     from sfttool.dataset.encode import encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     hf_chat_template = is_hf_chat_template(template)
-    count_structured_fields(dataset, tokenizer, hf_chat_template, report)
+    from sfttool.dataset.chat_format import renderer
+    count_structured_fields(dataset, renderer(tokenizer, chat_template_options(template)), hf_chat_template, report)
     remove = dataset.column_names if remove_unused_columns else ["conversation"]
     remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"
