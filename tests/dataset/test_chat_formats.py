@@ -170,3 +170,11 @@ def test_the_pipeline_splits_and_packs_as_in_the_hf_mode(tokenizers):
     (ours, ours_report), (theirs, theirs_report) = out["ours"], out["theirs"]
     assert ours_report.split == theirs_report.split == {3: 1, 2: 1}
     assert ours["input_ids"] == theirs["input_ids"] and ours["labels"] == theirs["labels"]
+
+
+def test_preference_pairs_encode_with_the_format_as_with_the_official_template(tokenizers):
+    from sfttool.dataset.preference_encode import encode_conversations
+    official, bare = tokenizers["qwen3"]
+    conversation = openai_map_fn(QWEN3_ROW)["conversation"]
+    ours = encode_conversations([conversation], [0], bare, PROMPT_TEMPLATE.qwen3)
+    assert ours == encode_conversations([conversation], [0], official, PROMPT_TEMPLATE.hf_chat_template)
