@@ -178,3 +178,12 @@ def test_preference_pairs_encode_with_the_format_as_with_the_official_template(t
     conversation = openai_map_fn(QWEN3_ROW)["conversation"]
     ours = encode_conversations([conversation], [0], bare, PROMPT_TEMPLATE.qwen3)
     assert ours == encode_conversations([conversation], [0], official, PROMPT_TEMPLATE.hf_chat_template)
+
+
+def test_a_format_of_another_family_is_warned_about(tokenizers):
+    """The format does not come from the tokenizer: its role markers must be the tokenizer's tokens."""
+    from sfttool.dataset.template_check import split_markers
+    llama, qwen = tokenizers["llama3.1"][1], tokenizers["qwen3"][1]
+    assert split_markers(PROMPT_TEMPLATE.qwen3, qwen) == split_markers(PROMPT_TEMPLATE.llama3_1, llama) == []
+    warnings = split_markers(PROMPT_TEMPLATE.qwen3, llama)
+    assert [w.split(" is ")[0] for w in warnings] == ["template marker '<|im_end|>'", "template marker '<|im_start|>'"]
