@@ -47,7 +47,7 @@ class ChatFormat:
     """A ``CHAT_FORMAT`` behind a tokenizer's ``apply_chat_template`` (text only)."""
 
     def __init__(self, fields: Mapping[str, Any]):
-        self.fields = {**{name: default for name, default in CHAT_FORMAT_FIELDS.items()}, **dict(fields)}
+        self.fields = {**CHAT_FORMAT_FIELDS, **dict(fields)}
         # What the probes of ``chat_targets.ignored_fields`` are cached by, as for a jinja template.
         self.chat_template = json.dumps(self.fields, sort_keys=True)
 

@@ -253,9 +253,9 @@ def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, 
                         chat_options: dict | None) -> list[list[tuple[str, list[tuple[int, int]]]]]:
     if not input_ids_with_output:
         raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
-    renderer = chat_renderer(tokenizer, chat_options)
+    render_with = chat_renderer(tokenizer, chat_options)
     specials = special_token_texts(tokenizer)
-    return [chat_template_samples(conversation, renderer, specials, chat_options, row)
+    return [chat_template_samples(conversation, render_with, specials, chat_options, row)
             for conversation, row in zip(conversations, row_numbers)]
 
 

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from sfttool.dataset.conversation import check_conversation, is_empty
 from sfttool.dataset.chat_format import renderer
+from sfttool.dataset.conversation import check_conversation, is_empty
 from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 # concat_samples and pack_buffer are imported from here too (benchmarks).

@@ -22,6 +22,11 @@ render with the tokenizer's own jinja ``chat_template``; its optional fields
 ``TRAIN_ON_REASONING`` (default True) and ``ENABLE_THINKING`` (default: not
 passed) are the reasoning settings (``dict(PROMPT_TEMPLATE.hf_chat_template,
 TRAIN_ON_REASONING=False)``).
+
+The chat formats ``qwen3``, ``qwen3_no_think``, ``qwen2_5`` and ``llama3_1`` are entries of
+that mode with a ``CHAT_FORMAT`` (fields: ``CHAT_FORMAT_FIELDS``): the model family's official
+chat template written as format strings (system, tools, reasoning, tool calls and results),
+which the encoder renders in place of the tokenizer's jinja (``sfttool.dataset.chat_format``).
 """
 from __future__ import annotations
 
@@ -204,11 +209,13 @@ _QWEN_TOOLS = (
 _QWEN_FORMAT = dict(
     SYSTEM="<|im_start|>system\n{system}<|im_end|>\n", USER="<|im_start|>user\n{content}<|im_end|>\n",
     ASSISTANT="<|im_start|>assistant\n", SUFFIX="<|im_end|>", SEP="\n",
-    TOOLS=_QWEN_TOOLS, TOOL="\n{tool}", TOOL_CALL='<tool_call>\n{"name": "{name}", "arguments": {arguments}}\n</tool_call>',
+    TOOLS=_QWEN_TOOLS, TOOL="\n{tool}",
+    TOOL_CALL='<tool_call>\n{"name": "{name}", "arguments": {arguments}}\n</tool_call>',
     TOOL_RESULTS="<|im_start|>user{results}<|im_end|>\n", TOOL_RESULT="\n<tool_response>\n{content}\n</tool_response>")
 _QWEN_STOP_WORDS = ["<|im_end|>", "<|endoftext|>"]
 # Qwen2.5-Instruct: a default system prompt; reasoning is not part of its format.
-_QWEN2_5_FORMAT = dict(_QWEN_FORMAT, DEFAULT_SYSTEM="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
+_QWEN2_5_FORMAT = dict(_QWEN_FORMAT,
+                       DEFAULT_SYSTEM="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
 # Qwen3: no default system prompt; reasoning in a think block (empty before the last answer that has none).
 _QWEN3_FORMAT = dict(_QWEN_FORMAT, REASONING="<think>\n{reasoning}\n</think>\n\n", NO_THINK="<think>\n\n</think>\n\n")
 # Llama-3.1-Instruct: the date lines are the official template's defaults (its `date_string`).

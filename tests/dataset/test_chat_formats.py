@@ -187,3 +187,17 @@ def test_a_format_of_another_family_is_warned_about(tokenizers):
     assert split_markers(PROMPT_TEMPLATE.qwen3, qwen) == split_markers(PROMPT_TEMPLATE.llama3_1, llama) == []
     warnings = split_markers(PROMPT_TEMPLATE.qwen3, llama)
     assert [w.split(" is ")[0] for w in warnings] == ["template marker '<|im_end|>'", "template marker '<|im_start|>'"]
+
+
+def test_the_stream_encodes_with_the_format_as_the_pipeline_does(tokenizers):
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    from sfttool.dataset.report import PipelineReport
+    from sfttool.dataset.streaming import StreamingEncoder
+    _, bare = tokenizers["qwen3"]
+    encoder = StreamingEncoder(bare, 2048, dataset_map_fn=openai_map_fn,
+                               template_map_fn=dict(type=template_map_fn_factory, template="qwen3"))
+    stats = PipelineReport()
+    samples = encoder([(0, QWEN3_ROW), (1, PLAIN_ROW)], None, stats)
+    expected = [encode_with(bare, row, "qwen3") for row in (QWEN3_ROW, PLAIN_ROW)]
+    assert [s["labels"] for s in samples] == expected[0]["labels"] + expected[1]["labels"]
+    assert stats.split == {3: 1, 2: 1}
