@@ -48,6 +48,8 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: 
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **kwargs)
+    except DatasetError as exc:  # a template's built-in CHAT_FORMAT says itself what it cannot render
+        raise DatasetError(f"{where(row)}: {exc}") from None
     except Exception as exc:  # jinja raises its own types (e.g. "System role not supported")
         raise DatasetError(f"{where(row)}: the tokenizer's chat_template failed: {type(exc).__name__}: {exc}; "
                            "fix the conversation (e.g. drop the system prompt) or use a built-in "

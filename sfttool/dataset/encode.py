@@ -17,6 +17,9 @@ in one fast-tokenizer call; the pieces are then concatenated.
   render ending with it adds to the render of its prompt, through its
   end-of-turn token), and a conversation whose later renders change earlier
   answers (Qwen3's reasoning) becomes several samples (``chat_targets``).
+  The built-in chat formats (``PROMPT_TEMPLATE.qwen3``, ``qwen2_5``, ``llama3_1``, ...)
+  take this mode with their ``CHAT_FORMAT`` in place of the tokenizer's jinja
+  (``chat_format``), so they need no chat template on the tokenizer.
 
 Deliberate differences from XTuner 0.2:
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from sfttool.dataset.chat_format import renderer
 from sfttool.dataset.chat_targets import chat_template_samples, render, template_kwargs
 from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
@@ -104,6 +108,15 @@ def _require_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
                            "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
+
+
+def chat_renderer(tokenizer, chat_options: dict | None):
+    """What renders a conversation in chat-template mode: the template's ``CHAT_FORMAT`` (a built-in
+    format such as ``qwen3``), else the tokenizer's own jinja ``chat_template``."""
+    chosen = renderer(tokenizer, chat_options)
+    if chosen is tokenizer:
+        _require_chat_template(tokenizer)
+    return chosen
 
 
 # ---------------------------------------------------------------------------
@@ -240,9 +253,9 @@ def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, 
                         chat_options: dict | None) -> list[list[tuple[str, list[tuple[int, int]]]]]:
     if not input_ids_with_output:
         raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
-    _require_chat_template(tokenizer)
+    render_with = chat_renderer(tokenizer, chat_options)
     specials = special_token_texts(tokenizer)
-    return [chat_template_samples(conversation, tokenizer, specials, chat_options, row)
+    return [chat_template_samples(conversation, render_with, specials, chat_options, row)
             for conversation, row in zip(conversations, row_numbers)]
 
 
@@ -294,11 +307,11 @@ def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[
         template = get_template(template)
     check_conversation(history)
     if is_hf_chat_template(template):
-        _require_chat_template(tokenizer)
         messages = to_messages(history, with_last_output=False)
-        # The template's own settings (ENABLE_THINKING), as training applied them.
+        # The template's own settings (ENABLE_THINKING, CHAT_FORMAT), as training applied them.
         options = chat_template_options(template)
-        text = render(tokenizer, messages, True, row_tools(history), **template_kwargs(messages, options))
+        text = render(chat_renderer(tokenizer, options), messages, True, row_tools(history),
+                      **template_kwargs(messages, options))
         return batch_token_ids(tokenizer, [text])[0]
     if template is not None:
         from sfttool.dataset.map_fns import template_map_fn_factory

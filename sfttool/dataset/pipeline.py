@@ -119,10 +119,11 @@ def _column(dataset, name: str):
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, template, remove_unused_columns: bool,
            num_proc: int, source: str | None, report: PipelineReport):
     """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``)."""
+    from sfttool.dataset.chat_format import renderer
     from sfttool.dataset.encode import encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     hf_chat_template = is_hf_chat_template(template)
-    count_structured_fields(dataset, tokenizer, hf_chat_template, report)
+    count_structured_fields(dataset, renderer(tokenizer, chat_template_options(template)), hf_chat_template, report)
     remove = dataset.column_names if remove_unused_columns else ["conversation"]
     remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
-from sfttool.utils.templates import is_hf_chat_template
+from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_tokens",
            "length", "num_tokens", "note", "drop")
@@ -122,7 +122,7 @@ def encode_conversations(conversations: list[list[dict]], rows: list, tokenizer,
         from sfttool.dataset.map_fns import template_map_fn
         conversations = [template_map_fn({"conversation": c}, template)["conversation"] for c in conversations]
     out = encode_batch({"conversation": conversations, ROW_COLUMN: rows}, rows, tokenizer, sys.maxsize,
-                       hf_chat_template=hf, source=source)
+                       hf_chat_template=hf, source=source, chat_options=chat_template_options(template))
     return list(zip(out["input_ids"], out["labels"]))
 
 

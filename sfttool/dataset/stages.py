@@ -195,7 +195,9 @@ def ignored_field_notes(conversations: Sequence[Any], row_numbers: Sequence[int]
     notes: dict[str, list[str]] = {}
     if not ignored:
         return notes
-    which = "the tokenizer's chat template" if hf_chat_template else "the prompt template (use hf_chat_template)"
+    which = "the prompt template (use hf_chat_template)"
+    if hf_chat_template:  # ``tokenizer`` is what renders: the tokenizer, or a template's ChatFormat
+        which = "the template's CHAT_FORMAT" if hasattr(tokenizer, "fields") else "the tokenizer's chat template"
     for conversation, number in zip(conversations, row_numbers):
         try:
             found = fields_of(conversation) & ignored

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from sfttool.dataset.chat_format import renderer
 from sfttool.dataset.conversation import check_conversation, is_empty
 from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
@@ -154,7 +155,7 @@ class StreamingEncoder:
         if not numbers:
             return []
         kept = [c for c, k in zip(conversations, keep) if k]
-        count_ignored_fields(stats, kept, numbers, self.tokenizer, self.hf_chat_template)
+        count_ignored_fields(stats, kept, numbers, renderer(self.tokenizer, self.chat_options), self.hf_chat_template)
         out = encode_batch({"conversation": kept}, numbers, self.tokenizer, self.max_length,
                            self.input_ids_with_output, self.hf_chat_template, source, self.chat_options)
         numbers = out[ROW_COLUMN]  # one per sample: a conversation may become several (chat_targets)

@@ -33,9 +33,13 @@ def template_text(template: Any, tokenizer, conversation: list[dict]) -> str:
 def split_markers(template: Any, tokenizer) -> list[str]:
     """One warning per role marker of ``template`` that is several tokens for ``tokenizer`` (a marker of
     another model family)."""
-    if template is None or template.get("HF_CHAT_TEMPLATE"):
+    chat_format = template.get("CHAT_FORMAT") if template is not None else None
+    if template is None or (template.get("HF_CHAT_TEMPLATE") and not chat_format):
         return []
-    texts = [str(template.get(f) or "") for f in ("SYSTEM", "INSTRUCTION", "SUFFIX", "SEP")]
+    # A chat format's role markers only: its tool tags may be plain text to the model (Qwen's <tools>).
+    source, fields = ((chat_format, ("BOS", "SYSTEM", "USER", "ASSISTANT", "SUFFIX")) if chat_format
+                      else (template, ("SYSTEM", "INSTRUCTION", "SUFFIX", "SEP")))
+    texts = [str(source.get(f) or "") for f in fields]
     warnings = []
     for marker in sorted({m for t in texts for m in MARKER.findall(t)}):
         ids = tokenizer(marker, add_special_tokens=False)["input_ids"]

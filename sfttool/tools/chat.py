@@ -275,8 +275,9 @@ def load_tools(path: str | os.PathLike, template: Mapping) -> list[dict]:
     ``{"type": "function", "function": ...}``), rendered by the model's chat template as in training."""
     from sfttool.utils.templates import is_hf_chat_template
     if not is_hf_chat_template(template):
-        raise ChatError("--tools needs the model's own chat template (--hf-template, or a run trained with "
-                        "hf_chat_template): prompt templates have no place for tools")
+        raise ChatError("--tools needs the model's own chat template (--hf-template, a chat format such as "
+                        "--prompt-template qwen3, or a run trained with either): XTuner-style prompt templates "
+                        "have no place for tools")
     try:
         tools = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -22,6 +22,11 @@ render with the tokenizer's own jinja ``chat_template``; its optional fields
 ``TRAIN_ON_REASONING`` (default True) and ``ENABLE_THINKING`` (default: not
 passed) are the reasoning settings (``dict(PROMPT_TEMPLATE.hf_chat_template,
 TRAIN_ON_REASONING=False)``).
+
+The chat formats ``qwen3``, ``qwen3_no_think``, ``qwen2_5`` and ``llama3_1`` are entries of
+that mode with a ``CHAT_FORMAT`` (fields: ``CHAT_FORMAT_FIELDS``): the model family's official
+chat template written as format strings (system, tools, reasoning, tool calls and results),
+which the encoder renders in place of the tokenizer's jinja (``sfttool.dataset.chat_format``).
 """
 from __future__ import annotations
 
@@ -36,7 +41,32 @@ TEMPLATE_DEFAULTS = dict(SYSTEM="{system}\n", INSTRUCTION="{input}", SUFFIX="", 
 TEMPLATE_FIELDS = tuple(TEMPLATE_DEFAULTS)
 # The HF chat-template entry's settings (docs/reasoning_and_tools.md): train the reasoning (<think> block) or
 # not; Qwen3's enable_thinking for rows without reasoning (None: not passed to the template).
-HF_CHAT_TEMPLATE_FIELDS = ("HF_CHAT_TEMPLATE", "STOP_WORDS", "TRAIN_ON_REASONING", "ENABLE_THINKING")
+HF_CHAT_TEMPLATE_FIELDS = ("HF_CHAT_TEMPLATE", "STOP_WORDS", "TRAIN_ON_REASONING", "ENABLE_THINKING", "CHAT_FORMAT")
+
+# A CHAT_FORMAT's fields and what each means when left out (rendered by sfttool.dataset.chat_format;
+# docs/templates.md describes each). Placeholders: {system} {content} {tools} {tool} {name} {arguments}
+# {results} {reasoning} {environment}.
+CHAT_FORMAT_FIELDS = dict(
+    BOS="",                      # text before everything (Llama: <|begin_of_text|>)
+    SYSTEM="{system}\n",         # the system block, {system}: the system prompt (and the tools block)
+    SYSTEM_ALWAYS=False,         # write the system block also without a system prompt or tools
+    DEFAULT_SYSTEM="",           # the system prompt of a conversation that has none
+    ENVIRONMENT="",              # {environment} in SYSTEM when the row has tools
+    USER="{content}\n",          # a user message
+    ASSISTANT="",                # an answer's header, and the generation prompt
+    SUFFIX="", SEP="",           # after an answer: SUFFIX is its end-of-turn (trained), SEP is not
+    TRIM=False,                  # strip whitespace around system, user and answer text (Llama 3.1)
+    TOOLS="", TOOL="",           # the tools block ({tools}: each schema through TOOL, {tool}: its JSON)
+    TOOL_INDENT=None,            # json indent of a schema
+    TOOLS_IN="system",           # where the tools block goes: "system" (after the system prompt) or "user"
+    TOOL_CALL="", TOOL_CALL_SEP="\n",  # one call ({name}, {arguments} as JSON); between calls and after content
+    CALLS_REPLACE_CONTENT=False,  # an answer with tool calls shows only them (Llama 3.1)
+    MAX_TOOL_CALLS=0,            # calls allowed per answer (0: any number)
+    TOOL_RESULTS="{results}", TOOL_RESULT="",  # a run of tool messages; one of them ({content})
+    TOOL_RESULT_JSON=False,      # a tool result is written as a JSON string (Llama 3.1)
+    REASONING="",                # an answer's reasoning before its content ({reasoning}; Qwen3's rule)
+    NO_THINK="",                 # after the generation prompt when ENABLE_THINKING=False
+)
 
 _CHATML = dict(
     SYSTEM="<|im_start|>system\n{system}<|im_end|>\n",
@@ -152,6 +182,9 @@ def complete_template(template: Mapping[str, Any]) -> ConfigDict:
         if unknown:
             raise ValueError(f"hf_chat_template has unknown field(s) {unknown}; valid fields are "
                              f"{list(HF_CHAT_TEMPLATE_FIELDS)}")
+        unknown = sorted(set(template.get("CHAT_FORMAT") or {}) - set(CHAT_FORMAT_FIELDS))
+        if unknown:
+            raise ValueError(f"CHAT_FORMAT has unknown field(s) {unknown}; valid fields are {list(CHAT_FORMAT_FIELDS)}")
         return ConfigDict(dict(template))
     unknown = sorted(set(template) - set(TEMPLATE_FIELDS))
     if unknown:
@@ -165,6 +198,44 @@ def complete_template(template: Mapping[str, Any]) -> ConfigDict:
 PROMPT_TEMPLATE = ConfigDict({name: complete_template(t) for name, t in _TEMPLATES.items()})
 # Render with the tokenizer's own jinja chat_template at encode time.
 PROMPT_TEMPLATE.hf_chat_template = ConfigDict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])
+
+# Chat formats: official chat templates written as format strings (docs/templates.md, "Chat formats"),
+# rendered in chat-template mode in place of the tokenizer's jinja, text for text.
+_QWEN_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+_QWEN_FORMAT = dict(
+    SYSTEM="<|im_start|>system\n{system}<|im_end|>\n", USER="<|im_start|>user\n{content}<|im_end|>\n",
+    ASSISTANT="<|im_start|>assistant\n", SUFFIX="<|im_end|>", SEP="\n",
+    TOOLS=_QWEN_TOOLS, TOOL="\n{tool}",
+    TOOL_CALL='<tool_call>\n{"name": "{name}", "arguments": {arguments}}\n</tool_call>',
+    TOOL_RESULTS="<|im_start|>user{results}<|im_end|>\n", TOOL_RESULT="\n<tool_response>\n{content}\n</tool_response>")
+_QWEN_STOP_WORDS = ["<|im_end|>", "<|endoftext|>"]
+# Qwen2.5-Instruct: a default system prompt; reasoning is not part of its format.
+_QWEN2_5_FORMAT = dict(_QWEN_FORMAT,
+                       DEFAULT_SYSTEM="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
+# Qwen3: no default system prompt; reasoning in a think block (empty before the last answer that has none).
+_QWEN3_FORMAT = dict(_QWEN_FORMAT, REASONING="<think>\n{reasoning}\n</think>\n\n", NO_THINK="<think>\n\n</think>\n\n")
+# Llama-3.1-Instruct: the date lines are the official template's defaults (its `date_string`).
+_LLAMA3_1_FORMAT = dict(
+    BOS="<|begin_of_text|>", SYSTEM_ALWAYS=True, ENVIRONMENT="Environment: ipython\n", TRIM=True,
+    SYSTEM=("<|start_header_id|>system<|end_header_id|>\n\n{environment}Cutting Knowledge Date: December 2023\n"
+            "Today Date: 26 Jul 2024\n\n{system}<|eot_id|>"),
+    USER="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
+    ASSISTANT="<|start_header_id|>assistant<|end_header_id|>\n\n", SUFFIX="<|eot_id|>",
+    TOOLS_IN="user", TOOL="{tool}\n\n", TOOL_INDENT=4,
+    TOOLS=("Given the following functions, please respond with a JSON for a function call with its proper arguments "
+           'that best answers the given prompt.\n\nRespond in the format {"name": function name, "parameters": '
+           'dictionary of argument name and its value}.Do not use variables.\n\n{tools}'),
+    TOOL_CALL='{"name": "{name}", "parameters": {arguments}}', CALLS_REPLACE_CONTENT=True, MAX_TOOL_CALLS=1,
+    TOOL_RESULT="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>", TOOL_RESULT_JSON=True)
+PROMPT_TEMPLATE.qwen2_5 = ConfigDict(HF_CHAT_TEMPLATE=True, CHAT_FORMAT=_QWEN2_5_FORMAT, STOP_WORDS=_QWEN_STOP_WORDS)
+PROMPT_TEMPLATE.qwen3 = ConfigDict(HF_CHAT_TEMPLATE=True, CHAT_FORMAT=_QWEN3_FORMAT, STOP_WORDS=_QWEN_STOP_WORDS)
+PROMPT_TEMPLATE.qwen3_no_think = ConfigDict(PROMPT_TEMPLATE.qwen3, ENABLE_THINKING=False)
+PROMPT_TEMPLATE.llama3_1 = ConfigDict(HF_CHAT_TEMPLATE=True, CHAT_FORMAT=_LLAMA3_1_FORMAT,
+                                      STOP_WORDS=["<|eot_id|>", "<|eom_id|>"])
 
 SYSTEM_TEMPLATE = ConfigDict(
     moss_sft=("You are an AI assistant whose name is {bot_name}.\n"
@@ -205,8 +276,12 @@ def chat_template_options(template: Any) -> dict:
     """
     if not is_hf_chat_template(template):
         return {}
-    return {"train_on_reasoning": bool(template.get("TRAIN_ON_REASONING", True)),
-            "enable_thinking": template.get("ENABLE_THINKING")}
+    options = {"train_on_reasoning": bool(template.get("TRAIN_ON_REASONING", True)),
+               "enable_thinking": template.get("ENABLE_THINKING")}
+    if template.get("CHAT_FORMAT"):  # rendered in place of the tokenizer's jinja (plain data: it is hashed)
+        chat_format = template["CHAT_FORMAT"]
+        options["chat_format"] = dict(chat_format.to_dict() if hasattr(chat_format, "to_dict") else chat_format)
+    return options
 
 
 def get_template(name_or_dict: str | Mapping[str, Any]) -> ConfigDict:

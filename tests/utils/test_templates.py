@@ -8,6 +8,7 @@ import pytest
 from sfttool.dataset.map_fns import template_map_fn, template_map_fn_factory
 from sfttool.utils import (DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, PROMPT_TEMPLATE, SYSTEM_TEMPLATE, TEMPLATE_FIELDS,
                            get_template, is_hf_chat_template)
+from sfttool.utils.templates import chat_template_options
 
 CONVERSATION = [
     {"system": "SYS", "input": "Q1", "output": "A1"},
@@ -81,7 +82,10 @@ REQUIRED = ["default", "zephyr", "internlm_chat", "internlm2_chat", "qwen_chat",
             "llama3_chat", "mistral", "mixtral", "gemma", "gemma2", "phi3_chat", "chatglm2", "chatglm3",
             "baichuan2_chat", "deepseek_v2", "deepseek_coder", "cohere_chat", "vicuna", "wizardlm", "minicpm",
             "minicpm3", "hf_chat_template"]
-FORMAT_TEMPLATES = sorted(name for name in PROMPT_TEMPLATE if name != "hf_chat_template")
+# The XTuner-style entries (the chat-template-mode ones, hf_chat_template and the chat formats, render whole
+# conversations in the encoder: tests/dataset/test_chat_formats.py).
+FORMAT_TEMPLATES = sorted(name for name in PROMPT_TEMPLATE if not is_hf_chat_template(PROMPT_TEMPLATE[name]))
+CHAT_FORMATS = ["llama3_1", "qwen2_5", "qwen3", "qwen3_no_think"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -159,6 +163,22 @@ def test_hf_chat_template_entry():
     assert is_hf_chat_template(PROMPT_TEMPLATE.hf_chat_template)
     assert not is_hf_chat_template(PROMPT_TEMPLATE.qwen_chat)
     assert get_template("hf_chat_template") is PROMPT_TEMPLATE.hf_chat_template
+
+
+def test_chat_format_entries():
+    assert sorted(n for n in PROMPT_TEMPLATE if PROMPT_TEMPLATE[n].get("CHAT_FORMAT")) == CHAT_FORMATS
+    assert chat_template_options(PROMPT_TEMPLATE.qwen3_no_think) == {
+        "train_on_reasoning": True, "enable_thinking": False,
+        "chat_format": PROMPT_TEMPLATE.qwen3.CHAT_FORMAT.to_dict()}
+    assert "chat_format" not in chat_template_options(PROMPT_TEMPLATE.hf_chat_template)
+    assert PROMPT_TEMPLATE.llama3_1.STOP_WORDS == ["<|eot_id|>", "<|eom_id|>"]
+    settings = get_template(dict(PROMPT_TEMPLATE.qwen3, TRAIN_ON_REASONING=False))
+    assert chat_template_options(settings)["train_on_reasoning"] is False
+
+
+def test_unknown_chat_format_field_is_an_error():
+    with pytest.raises(ValueError, match=r"CHAT_FORMAT has unknown field\(s\) \['REASONNING'\]; valid fields are"):
+        get_template(dict(HF_CHAT_TEMPLATE=True, CHAT_FORMAT=dict(REASONNING="<think>{reasoning}</think>")))
 
 
 def test_get_template_by_name_and_dict():
