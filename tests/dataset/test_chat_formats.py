@@ -19,7 +19,7 @@ from sfttool.dataset.map_fns import openai_map_fn
 from sfttool.utils.templates import PROMPT_TEMPLATE, chat_template_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_chat_targets import (CASES, LLAMA31_ROW, PLAIN_ROW, QWEN3_ROW, QWEN25_ROW, TEMPLATES,  # noqa: E402
+from test_chat_targets import (CASES, LLAMA31_ROW, PLAIN_ROW, QWEN3_ROW, QWEN25_ROW, RUNS_ROW, TEMPLATES,  # noqa: E402
                                as_dataset, call, encode_row, inference_targets, template_messages, trained_runs)
 
 IGNORE = -100
@@ -55,10 +55,10 @@ def encode_with(tokenizer, row, template=None, **options):
                         chat_options={**chat_template_options(PROMPT_TEMPLATE[template]), **options})
 
 
-ROWS = [(name, row) for name in CASES for row in (CASES[name][3], PLAIN_ROW, SYSTEM_PLAIN)]
+ROWS = [(name, row) for name in CASES for row in (CASES[name][3], PLAIN_ROW, SYSTEM_PLAIN, RUNS_ROW)]
 
 
-@pytest.mark.parametrize("name,row", ROWS, ids=[f"{n}-{i % 3}" for i, (n, _) in enumerate(ROWS)])
+@pytest.mark.parametrize("name,row", ROWS, ids=[f"{n}-{i % 4}" for i, (n, _) in enumerate(ROWS)])
 def test_every_render_is_the_official_text(tokenizers, name, row):
     official, _ = tokenizers[name]
     messages, tools = template_messages(row), row.get("tools") or None
