@@ -1,0 +1,67 @@
+"""Switching a run to sequence parallelism: check the config and the model, create the groups, give the
+model's attention to the Ulysses attention function. Every check is a one-line error naming the setting."""
+from __future__ import annotations
+
+from typing import Any
+
+from sfttool.parallel.groups import SequenceParallelError, init_sequence_parallel
+
+
+def sequence_parallel_size(cfg: Any) -> int:
+    """PART 1's ``sequence_parallel_size`` (1 when the config has none)."""
+    size = cfg.get("sequence_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise SequenceParallelError(f"sequence_parallel_size must be a positive integer (1: off), got {size!r}")
+    return size
+
+
+def setup_sequence_parallel(cfg: Any, model: Any) -> int:
+    """Create the sequence- and data-parallel groups (every rank, after the process group exists) and,
+    with ``sequence_parallel_size > 1``, switch ``model`` to Ulysses attention. Returns the size."""
+    size = sequence_parallel_size(cfg)
+    if size > 1:
+        check_config(cfg, size)
+        check_model(model, size)
+    init_sequence_parallel(size)
+    if size > 1:
+        use_sequence_parallel_attention(model.llm)
+    return size
+
+
+def check_config(cfg: Any, size: int) -> None:
+    from sfttool.engine.validation import validation_enabled
+    from sfttool.parallel.sampler import SequenceParallelSampler
+    from sfttool.registry import resolve_type
+
+    sampler = (cfg.train_dataloader.get("sampler") or {}).get("type")
+    sampler = resolve_type(sampler, "train_dataloader.sampler.type") if isinstance(sampler, str) else sampler
+    if not (isinstance(sampler, type) and issubclass(sampler, SequenceParallelSampler)):
+        raise SequenceParallelError(f"sequence_parallel_size={size} needs train_dataloader.sampler = "
+                                    "dict(type=SequenceParallelSampler, seed=None, shuffle=True) "
+                                    "(from sfttool.parallel.sequence), so the ranks of a group read the same rows")
+    if validation_enabled(cfg):
+        raise SequenceParallelError(f"validation does not run with sequence_parallel_size={size}: "
+                                    "set val_ratio = 0 and val_data_path = None (or val_dataloader = None)")
+
+
+def check_model(model: Any, size: int) -> None:
+    from sfttool.model.sft import SupervisedFinetune
+
+    if not isinstance(model, SupervisedFinetune) or type(model).compute_loss is not SupervisedFinetune.compute_loss:
+        raise SequenceParallelError(f"model.type={type(model).__name__} does not train with sequence parallelism "
+                                    "(SupervisedFinetune does): set sequence_parallel_size = 1")
+    config = model.llm.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise SequenceParallelError(f"sequence_parallel_size={size} must divide the model's attention heads "
+                                    f"({heads}) and key/value heads ({kv_heads}): choose a divisor of both")
+
+
+def use_sequence_parallel_attention(llm: Any) -> None:
+    """The model's eager/sdpa/flash attention, wrapped by the Ulysses function of the same inner kind."""
+    from sfttool.parallel.attention import register, sequence_parallel_name
+
+    register()
+    config = llm.config
+    config._attn_implementation = sequence_parallel_name(config._attn_implementation)

@@ -1,0 +1,88 @@
+"""The pieces of sequence parallelism that need no second process: the row split, the whole-row mask and
+varlen boundaries, the sampler's data-parallel shares, and the one-line errors of set-up."""
+from __future__ import annotations
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from sfttool.errors import SfttoolError
+from sfttool.parallel.attention import packed_causal_mask, sequence_parallel_name, varlen_arguments
+from sfttool.parallel.groups import SequenceParallelError, _State
+from sfttool.parallel.sequence import SequenceParallelSampler
+from sfttool.parallel.setup import check_config, check_model, sequence_parallel_size
+from sfttool.parallel.split import RowSplit
+
+
+def test_the_split_pads_with_a_pseudo_sample_and_gives_each_rank_its_slice():
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 0, 1, 0, 1]])
+    halves = [RowSplit.of(positions, size=2, rank=r, group=None) for r in (0, 1)]
+    assert halves[0].position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 0, 1, 0, 1, 0]]
+    assert [h.local_positions().tolist() for h in halves] == [[[0, 1, 2, 3], [0, 1, 2, 0]],
+                                                              [[0, 1, 2, 0], [1, 0, 1, 0]]]
+    labels = torch.arange(14).view(2, 7)
+    assert halves[1].local(labels, -100).tolist() == [[4, 5, 6, -100], [11, 12, 13, -100]]
+    # a batch the model flattened into one row (flash-attention) is flattened the same way
+    flat = RowSplit.of(positions.reshape(1, -1), size=4, rank=3, group=None)
+    assert flat.local(labels, -100).tolist() == [[12, 13, -100, -100]]
+
+
+def test_the_mask_isolates_samples_and_the_split_padding_across_the_whole_row():
+    mask = packed_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    cu, longest = varlen_arguments(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]))
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 9, 10] and longest == 4
+
+
+def test_the_sampler_shares_rows_by_data_parallel_rank(monkeypatch):
+    from sfttool.parallel import groups
+
+    dataset = list(range(10))
+    shares = []
+    for rank in range(4):  # 4 processes, sequence_parallel_size 2: data-parallel ranks 0, 0, 1, 1
+        monkeypatch.setattr(groups, "_state", _State(size=2, rank=rank % 2, dp_size=2, dp_rank=rank // 2))
+        shares.append(list(SequenceParallelSampler(dataset, shuffle=False, seed=0)))
+    assert shares == [[0, 2, 4, 6, 8]] * 2 + [[1, 3, 5, 7, 9]] * 2
+    monkeypatch.setattr(groups, "_state", _State(size=2, rank=0, dp_size=2, dp_rank=0))
+    sampler = SequenceParallelSampler(dataset, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    assert len(sampler) == 5 and sorted(sampler) != list(sampler)
+
+
+def config(**kwargs) -> Config:
+    base = dict(train_dataloader=dict(sampler=dict(type=SequenceParallelSampler, seed=None, shuffle=True)),
+                sequence_parallel_size=2)
+    return Config({**base, **kwargs})
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (config(sequence_parallel_size=0), "sequence_parallel_size must be a positive integer"),
+    (config(train_dataloader=dict(sampler=dict(type="mmengine.dataset.DefaultSampler"))),
+     "sequence_parallel_size=2 needs train_dataloader.sampler = dict(type=SequenceParallelSampler"),
+    (config(val_dataloader=dict(batch_size=1), val_ratio=0.02), "validation does not run with sequence_parallel_size=2"),
+])
+def test_config_mistakes_are_one_line_errors(cfg, message):
+    with pytest.raises(SfttoolError, match="^" + message.replace("(", r"\(").replace("[", r"\[")) as err:
+        check_config(cfg, sequence_parallel_size(cfg))
+    assert "\n" not in str(err.value)
+
+
+def test_the_head_counts_must_divide(tiny_qwen2_dir):
+    from sfttool.model import SupervisedFinetune
+
+    llm = dict(type="transformers.AutoModelForCausalLM.from_pretrained", pretrained_model_name_or_path=str(tiny_qwen2_dir),
+               dtype="float32")
+    model = SupervisedFinetune(llm=llm, use_activation_checkpointing=False)
+    check_model(model, 2)  # 4 heads, 2 key/value heads
+    with pytest.raises(SequenceParallelError, match=r"^sequence_parallel_size=4 must divide the model's attention "
+                                                    r"heads \(4\) and key/value heads \(2\)"):
+        check_model(model, 4)
+
+
+def test_other_attention_kinds_are_refused_by_name():
+    assert sequence_parallel_name("sdpa") == "sequence_parallel_sdpa"
+    assert sequence_parallel_name(None) == "sequence_parallel_eager"
+    assert sequence_parallel_name("sequence_parallel_sdpa") == "sequence_parallel_sdpa"
+    with pytest.raises(SequenceParallelError, match="uses 'flex_attention': set attn_implementation='sdpa'"):
+        sequence_parallel_name("flex_attention")
