@@ -15,13 +15,18 @@ def sequence_parallel_size(cfg: Any) -> int:
     return size
 
 
-def setup_sequence_parallel(cfg: Any, model: Any) -> int:
+def setup_sequence_parallel(cfg: Any, model: Any, dataset: Any = None) -> int:
     """Create the sequence- and data-parallel groups (every rank, after the process group exists) and,
     with ``sequence_parallel_size > 1``, switch ``model`` to Ulysses attention. Returns the size."""
+    import torch
+
     size = sequence_parallel_size(cfg)
     if size > 1:
         check_config(cfg, size)
         check_model(model, size)
+        if isinstance(dataset, torch.utils.data.IterableDataset):  # a stream shares rows out by rank itself
+            raise SequenceParallelError(f"sequence_parallel_size={size} needs a map-style dataset: "
+                                        "turn streaming off in train_dataloader.dataset")
     init_sequence_parallel(size)
     if size > 1:
         use_sequence_parallel_attention(model.llm)
