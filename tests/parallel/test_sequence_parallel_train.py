@@ -35,25 +35,35 @@ def run_sfttool(args: list[str], timeout: int = 400) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_two_ranks_sharing_each_row_train_like_one_rank(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
-    from safetensors.torch import load_file
+# 40 packed rows of up to 128 tokens; a quarter epoch = 10 iterations = 5 optimizer steps
+COMMON = dict(max_epochs=0.25, lr=5e-3, dropout=0.0, save_steps=100)
 
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl) -> Path:
     from sfttool.engine.train import train
 
-    # 40 packed rows of up to 128 tokens; a quarter epoch = 10 iterations = 5 optimizer steps
-    common = dict(model_dir=tiny_qwen2_dir, data_file=tiny_sft_jsonl, max_epochs=0.25, lr=5e-3, dropout=0.0,
-                  save_steps=100)
-    split = sequence_parallel_config(tmp_path / "sp.py", sp=2, **common)
-    whole = write_config(tmp_path / "one.py", **common)
-    result = run_sfttool([str(split), "--work-dir", str(tmp_path / "sp"), "--nproc-per-node", "2"])
+    tmp = tmp_path_factory.mktemp("one_process")
+    whole = write_config(tmp / "one.py", model_dir=tiny_qwen2_dir, data_file=tiny_sft_jsonl, **COMMON)
+    return train(str(whole), work_dir=str(tmp / "work"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deepspeed", [None, "zero2", "zero3"])
+def test_two_ranks_sharing_each_row_train_like_one_rank(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, one_process,
+                                                        deepspeed):
+    from safetensors.torch import load_file
+
+    split = sequence_parallel_config(tmp_path / "sp.py", sp=2, model_dir=tiny_qwen2_dir, data_file=tiny_sft_jsonl,
+                                     **COMMON)
+    args = [str(split), "--work-dir", str(tmp_path / "sp"), "--nproc-per-node", "2"]
+    result = run_sfttool(args + (["--deepspeed", deepspeed] if deepspeed else []))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    single = train(str(whole), work_dir=str(tmp_path / "one"))
     # each iteration reads one row on both ranks (the same row), so the run has the one process's length
-    assert len(logged(tmp_path / "sp")) == len(logged(single)) == 10
-    torch.testing.assert_close(logged(tmp_path / "sp"), logged(single), rtol=1e-5, atol=0)
+    assert len(logged(tmp_path / "sp")) == len(logged(one_process)) == 10
+    torch.testing.assert_close(logged(tmp_path / "sp"), logged(one_process), rtol=1e-5, atol=0)
     a = load_file(tmp_path / "sp" / "hf_adapter" / "adapter_model.safetensors")
-    b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(one_process / "hf_adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
