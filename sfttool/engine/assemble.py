@@ -82,6 +82,10 @@ def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dic
     sampler = dl.get("sampler")
     if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
         dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], f"{key}.sampler.type"))
+    if key == "train_dataloader":
+        from sfttool.parallel.setup import train_sampler
+
+        dl["sampler"] = train_sampler(dl.get("sampler"))
     return dl
 
 

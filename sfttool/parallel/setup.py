@@ -33,20 +33,46 @@ def setup_sequence_parallel(cfg: Any, model: Any, dataset: Any = None) -> int:
     return size
 
 
-def check_config(cfg: Any, size: int) -> None:
-    from sfttool.engine.validation import validation_enabled
-    from sfttool.parallel.sampler import SequenceParallelSampler
+def _sampler_class(kind: Any) -> Any:
+    """A sampler ``type``: a class, a dotted path, or a name in mmengine's sampler registry."""
+    from mmengine.registry import DATA_SAMPLERS
+
     from sfttool.registry import resolve_type
 
-    sampler = (cfg.train_dataloader.get("sampler") or {}).get("type")
-    sampler = resolve_type(sampler, "train_dataloader.sampler.type") if isinstance(sampler, str) else sampler
-    if not (isinstance(sampler, type) and issubclass(sampler, SequenceParallelSampler)):
+    if isinstance(kind, str):
+        return resolve_type(kind, "train_dataloader.sampler.type") if "." in kind else DATA_SAMPLERS.get(kind)
+    return kind
+
+
+def check_config(cfg: Any, size: int) -> None:
+    from mmengine.dataset import DefaultSampler
+
+    from sfttool.engine.validation import validation_enabled
+    from sfttool.parallel.sampler import SequenceParallelSampler
+
+    sampler = _sampler_class((cfg.train_dataloader.get("sampler") or {}).get("type"))
+    if not (isinstance(sampler, type) and issubclass(sampler, (SequenceParallelSampler, DefaultSampler))):
         raise SequenceParallelError(f"sequence_parallel_size={size} needs train_dataloader.sampler = "
                                     "dict(type=SequenceParallelSampler, seed=None, shuffle=True) "
                                     "(from sfttool.parallel.sequence), so the ranks of a group read the same rows")
     if validation_enabled(cfg):
         raise SequenceParallelError(f"validation does not run with sequence_parallel_size={size}: "
                                     "set val_ratio = 0 and val_data_path = None (or val_dataloader = None)")
+
+
+def train_sampler(sampler: Any) -> Any:
+    """``train_dataloader.sampler`` as the run builds it: under sequence parallelism mmengine's
+    ``DefaultSampler``, which shares rows out by process, becomes ``SequenceParallelSampler`` with the
+    same arguments, so a config keeps one sampler line whatever ``sequence_parallel_size`` is."""
+    from mmengine.dataset import DefaultSampler
+
+    from sfttool.parallel.groups import get_sequence_parallel_world_size
+    from sfttool.parallel.sampler import SequenceParallelSampler
+
+    if get_sequence_parallel_world_size() == 1 or not isinstance(sampler, dict):
+        return sampler
+    return dict(sampler, type=SequenceParallelSampler) if _sampler_class(sampler.get("type")) is DefaultSampler \
+        else sampler
 
 
 def check_model(model: Any, size: int) -> None:

@@ -58,7 +58,7 @@ def config(**kwargs) -> Config:
 
 @pytest.mark.parametrize("cfg, message", [
     (config(sequence_parallel_size=0), "sequence_parallel_size must be a positive integer"),
-    (config(train_dataloader=dict(sampler=dict(type="mmengine.dataset.DefaultSampler"))),
+    (config(train_dataloader=dict(sampler=dict(type="InfiniteSampler"))),
      "sequence_parallel_size=2 needs train_dataloader.sampler = dict(type=SequenceParallelSampler"),
     (config(val_dataloader=dict(batch_size=1), val_ratio=0.02), "validation does not run with sequence_parallel_size=2"),
 ])
@@ -86,3 +86,18 @@ def test_other_attention_kinds_are_refused_by_name():
     assert sequence_parallel_name("sequence_parallel_sdpa") == "sequence_parallel_sdpa"
     with pytest.raises(SequenceParallelError, match="uses 'flex_attention': set attn_implementation='sdpa'"):
         sequence_parallel_name("flex_attention")
+
+
+def test_a_default_sampler_becomes_the_sequence_parallel_one_with_its_arguments(monkeypatch):
+    from mmengine.dataset import DefaultSampler
+
+    from sfttool.parallel import groups
+    from sfttool.parallel.setup import train_sampler
+
+    for kind in (DefaultSampler, "DefaultSampler", "mmengine.dataset.DefaultSampler"):
+        check_config(config(train_dataloader=dict(sampler=dict(type=kind))), 2)
+        assert train_sampler(dict(type=kind, shuffle=True, seed=7)) == dict(type=kind, shuffle=True, seed=7)  # sp 1
+        monkeypatch.setattr(groups, "_state", _State(size=2, rank=0, dp_size=1, dp_rank=0))
+        assert train_sampler(dict(type=kind, shuffle=True, seed=7)) == dict(type=SequenceParallelSampler,
+                                                                            shuffle=True, seed=7)
+        monkeypatch.setattr(groups, "_state", _State())
