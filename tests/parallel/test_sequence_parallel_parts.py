@@ -101,3 +101,13 @@ def test_a_default_sampler_becomes_the_sequence_parallel_one_with_its_arguments(
         assert train_sampler(dict(type=kind, shuffle=True, seed=7)) == dict(type=SequenceParallelSampler,
                                                                             shuffle=True, seed=7)
         monkeypatch.setattr(groups, "_state", _State())
+
+
+def test_the_long_context_config_passes_the_checks():
+    from sfttool.config import load_config
+
+    cfg = load_config("qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3")
+    assert (cfg.sequence_parallel_size, cfg.max_length, cfg.accumulative_counts) == (4, 32768, 16)
+    assert cfg.optim_wrapper.accumulative_counts == 16 and cfg.default_hooks.checkpoint.interval % 16 == 0
+    assert cfg.model.use_varlen_attn is True
+    check_config(cfg, sequence_parallel_size(cfg))  # the sampler is DefaultSampler's line; no validation
