@@ -111,3 +111,18 @@ def test_the_long_context_config_passes_the_checks():
     assert cfg.optim_wrapper.accumulative_counts == 16 and cfg.default_hooks.checkpoint.interval % 16 == 0
     assert cfg.model.use_varlen_attn is True
     check_config(cfg, sequence_parallel_size(cfg))  # the sampler is DefaultSampler's line; no validation
+
+
+def test_the_gpu_attention_check_runs_its_code_path_on_cpu(tmp_path):
+    """benchmarks/sp_attention_check.py (run by gpu_check.sh): the varlen call, made with a pure-torch
+    kernel, matches SDPA with the whole row's mask."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sp_attention_check.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main(["--dry-run", "--out", str(tmp_path / "sp.json")]) == 0
+    report = json.loads((tmp_path / "sp.json").read_text())
+    assert [r["attention"] for r in report["results"]] == ["sdpa_whole_row_mask", "flash_varlen"]
+    assert report["results"][1]["max_abs_diff_vs_sdpa"] < 1e-5 and report["results"][1]["samples"] > 2
