@@ -126,3 +126,18 @@ def test_the_gpu_attention_check_runs_its_code_path_on_cpu(tmp_path):
     report = json.loads((tmp_path / "sp.json").read_text())
     assert [r["attention"] for r in report["results"]] == ["sdpa_whole_row_mask", "flash_varlen"]
     assert report["results"][1]["max_abs_diff_vs_sdpa"] < 1e-5 and report["results"][1]["samples"] > 2
+
+
+@pytest.mark.parametrize("inner", ["eager", "sdpa"])
+def test_generate_runs_the_plain_attention_under_the_sequence_parallel_name(inner, tiny_qwen2_dir):
+    """Sample generations during training (EvaluateChatHook) call generate() without a row split."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.parallel.setup import use_sequence_parallel_attention
+
+    llm = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32, attn_implementation=inner)
+    prompt = torch.tensor([[5, 9, 14, 3, 27]])
+    want = llm.generate(prompt, max_new_tokens=6, do_sample=False)
+    use_sequence_parallel_attention(llm)
+    assert llm.config._attn_implementation == f"sequence_parallel_{inner}"
+    assert torch.equal(llm.generate(prompt, max_new_tokens=6, do_sample=False), want)
