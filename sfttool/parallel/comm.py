@@ -37,36 +37,27 @@ def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, sp * hl, seq // sp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """``_seq_to_heads`` (``to_heads``) or ``_heads_to_seq``; the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """[b, h, seq/sp, d] (this rank's slice) -> [b, h/sp, seq, d] (this rank's heads)."""
-    return _SeqToHeads.apply(x, group)
+    return _AllToAll.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     """[b, h/sp, seq, d] (this rank's heads) -> [b, h, seq/sp, d] (this rank's slice)."""
-    return _HeadsToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, False)
 
 
 class _GroupMean(torch.autograd.Function):
