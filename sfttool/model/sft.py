@@ -9,7 +9,8 @@ Forward never passes an attention mask and always ``use_cache=False``: with
 keeps packed samples (and the padding pseudo-sample) from attending to each
 other on every backend. A padding mask or a KV cache would silently undo that.
 (Flash-attention reads the boundaries from one row only, so with it the batch
-runs as a single row.)
+runs as a single row.) Under sequence parallelism (``sfttool.parallel``) each
+rank runs its slice of every row, and attention reads the whole rows' positions.
 """
 from __future__ import annotations
 
