@@ -61,7 +61,7 @@ def run(name: str, fn, q, k, v, device) -> tuple[dict, torch.Tensor]:
 
 
 def check_length(length: int, device, dtype, kernel) -> list[dict]:
-    from sfttool.parallel.attention import packed_causal_mask, sdpa_attention, varlen_attention
+    from sfttool.parallel.attention import packed_causal_mask, sdpa_attention, varlen_arguments, varlen_attention
 
     rng = random.Random(length)
     positions = packed_positions(length, rng).to(device)
@@ -72,7 +72,8 @@ def check_length(length: int, device, dtype, kernel) -> list[dict]:
     rows, outs = [], {}
     cases = {"sdpa_whole_row_mask": lambda q, k, v: sdpa_attention(q, k, v, packed_causal_mask(positions), scale)}
     if kernel is not None:
-        cases["flash_varlen"] = lambda q, k, v: varlen_attention(q, k, v, positions, scale, kernel=kernel)
+        cases["flash_varlen"] = lambda q, k, v: varlen_attention(q, k, v, varlen_arguments(positions), scale,
+                                                               kernel=kernel)
     for name, fn in cases.items():
         run(name, fn, q, k, v, device)  # warm-up
         row, outs[name] = run(name, fn, q, k, v, device)

@@ -83,13 +83,14 @@ def flash_varlen_kernel() -> Callable:
     return flash_attn_varlen_func
 
 
-def varlen_attention(q, k, v, position_ids, scaling: float, dropout: float = 0.0,
+def varlen_attention(q, k, v, boundaries: tuple[torch.Tensor, int], scaling: float, dropout: float = 0.0,
                      kernel: Callable | None = None) -> torch.Tensor:
     """[1, h, s, d] (the batch flattened into one row) through a varlen kernel taking
-    ``(q, k, v [total, heads, d], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``."""
+    ``(q, k, v [total, heads, d], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``;
+    ``boundaries`` is ``varlen_arguments`` of the row."""
     if q.shape[0] != 1:
         raise SequenceParallelError("flash-attention varlen runs one row at a time: the model flattens the batch")
-    cu, longest = varlen_arguments(position_ids)
+    cu, longest = boundaries
     kernel = kernel or flash_varlen_kernel()
     q_, k_, v_ = (t[0].transpose(0, 1) for t in (q, k, v))  # [seq, heads, d]
     out = kernel(q_, k_, v_, cu.to(q.device), cu.to(q.device), longest, longest,
@@ -99,9 +100,8 @@ def varlen_attention(q, k, v, position_ids, scaling: float, dropout: float = 0.0
 
 def _inner_attention(inner: str, q, k, v, split, scaling: float, dropout: float) -> torch.Tensor:
     if inner == "flash_attention_2":
-        return varlen_attention(q, k, v, split.position_ids, scaling, dropout)
-    mask = packed_causal_mask(split.position_ids).to(q.device)
-    return (eager_attention if inner == "eager" else sdpa_attention)(q, k, v, mask, scaling, dropout)
+        return varlen_attention(q, k, v, split.varlen, scaling, dropout)
+    return (eager_attention if inner == "eager" else sdpa_attention)(q, k, v, split.mask, scaling, dropout)
 
 
 def _attention_function(inner: str) -> Callable:

@@ -13,6 +13,7 @@ each rank feeds its slice of the positions to the model, so RoPE sees the true p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -60,3 +61,16 @@ class RowSplit:
 
     def local_positions(self) -> torch.Tensor:
         return self.local(self.position_ids, 0)
+
+    # Every layer's attention reads these: made once per forward, not once per layer.
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[batch, 1, seq, seq] bool: the whole rows' causal mask, samples apart (eager and SDPA)."""
+        from sfttool.parallel.attention import packed_causal_mask
+        return packed_causal_mask(self.position_ids)
+
+    @cached_property
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """``(cu_seqlens, max_seqlen)`` of the flattened row (flash-attention varlen)."""
+        from sfttool.parallel.attention import varlen_arguments
+        return varlen_arguments(self.position_ids)
