@@ -41,15 +41,19 @@ def init_sequence_parallel(sequence_parallel_size: int = 1) -> None:
         _state = _State(dp_size=_world(), dp_rank=_rank())
         return
     world, rank = _world(), _rank()
-    if sp < 1 or world % sp:
-        raise SequenceParallelError(f"sequence_parallel_size={sp} must divide the number of processes ({world}): "
-                                    f"launch a multiple of {sp} processes or change sequence_parallel_size")
+    check_world_size(sp, world)
     group = None
     for start in range(0, world, sp):
         made = dist.new_group(list(range(start, start + sp)))
         if start <= rank < start + sp:
             group = made
     _state = _State(size=sp, rank=rank % sp, group=group, dp_size=world // sp, dp_rank=rank // sp)
+
+
+def check_world_size(sp: int, world: int) -> None:
+    if sp < 1 or world % sp:
+        raise SequenceParallelError(f"sequence_parallel_size={sp} must divide the number of processes ({world}): "
+                                    f"launch a multiple of {sp} processes or change sequence_parallel_size")
 
 
 def reset_sequence_parallel() -> None:

@@ -15,6 +15,19 @@ def sequence_parallel_size(cfg: Any) -> int:
     return size
 
 
+def check_sequence_parallel_config(cfg: Any) -> None:
+    """What can be checked before the data is processed (which may take hours): the size, the sampler,
+    validation, and the number of processes (the process group exists by then)."""
+    import torch.distributed as dist
+
+    from sfttool.parallel.groups import check_world_size
+
+    size = sequence_parallel_size(cfg)
+    if size > 1:
+        check_config(cfg, size)
+        check_world_size(size, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+
+
 def setup_sequence_parallel(cfg: Any, model: Any, dataset: Any = None) -> int:
     """Create the sequence- and data-parallel groups (every rank, after the process group exists) and,
     with ``sequence_parallel_size > 1``, switch ``model`` to Ulysses attention. Returns the size."""

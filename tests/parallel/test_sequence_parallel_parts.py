@@ -141,3 +141,21 @@ def test_generate_runs_the_plain_attention_under_the_sequence_parallel_name(inne
     use_sequence_parallel_attention(llm)
     assert llm.config._attn_implementation == f"sequence_parallel_{inner}"
     assert torch.equal(llm.generate(prompt, max_new_tokens=6, do_sample=False), want)
+
+
+def test_too_few_processes_stop_the_run_before_the_data_is_processed(tmp_path, tiny_qwen2_dir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from engine_helpers import write_config
+
+    from sfttool.engine.train import train
+
+    data = tmp_path / "bad.jsonl"  # processing the data first would fail on its row instead
+    data.write_text('{"no_conversation": 1}\n')
+    cfg = write_config(tmp_path / "sp.py", tiny_qwen2_dir, data)
+    cfg.write_text(cfg.read_text().replace("seed = 7\n", "seed = 7\nsequence_parallel_size = 2\n"))
+    with pytest.raises(SequenceParallelError, match=r"^sequence_parallel_size=2 must divide the number of "
+                                                    r"processes \(1\): launch a multiple of 2 processes"):
+        train(str(cfg), work_dir=str(tmp_path / "work"))
