@@ -1,6 +1,6 @@
 """Sequence parallelism is exact: loss and gradients with the rows split over ranks equal one process on
 the whole rows (fp32), for packed rows whose samples straddle the split, with eager, SDPA and the
-flash-attention varlen path, 'token' and 'sample' reductions, the chunked and the unchunked loss."""
+flash-attention varlen path, 'token' and 'sample' reductions (each with the chunked loss), the unchunked loss."""
 from __future__ import annotations
 
 import os
