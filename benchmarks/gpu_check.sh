@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU readiness check (< 8 min on one H200, no download): the loss alone (LM head +
+# GPU readiness check (< 9 min on one H200, no download): sequence-parallel attention (one rank's
+# share of the heads over a whole 8k/32k packed row, flash-attention varlen vs SDPA; see
+# benchmarks/sp_attention_check.py), the loss alone (LM head +
 # cross-entropy, unchunked vs chunked vs fused kernels when installed), then LoRA and QLoRA steps of a
 # Llama-3-8B-shaped model with random weights, bf16, SDPA and flash-attention varlen
 # (when installed), packed rows of 2048 and 8192 tokens; prints tokens/s per GPU, MFU
@@ -38,5 +40,9 @@ if [ -n "$missing" ]; then
 fi
 
 out_dir="${OUT:-benchmarks/results}"
+# Sequence-parallel attention first (seconds; at most 90 s): its failure is reported, the model cases still run.
+case " $* " in *" --dry-run "*) sp_args=(--dry-run) ;; *) sp_args=() ;; esac
+timeout 90 "$py" benchmarks/sp_attention_check.py --out "$out_dir/sp_attention_check.json" ${sp_args[@]+"${sp_args[@]}"} \
+    || echo "gpu_check: the sequence-parallel attention check failed (exit $?); the model cases run anyway" >&2
 # Hard stop below 8 minutes; the script itself skips cases that would start after --budget-s.
 exec timeout 470 "$py" benchmarks/gpu_check.py --out "$out_dir/gpu_check.json" "$@"

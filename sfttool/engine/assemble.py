@@ -39,7 +39,9 @@ class RunPlan:
 def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
     from sfttool.engine.schedulers import resolve_param_schedulers
     from sfttool.engine.tracking import visualizer_cfg
+    from sfttool.parallel.sequence import setup_sequence_parallel
 
+    setup_sequence_parallel(cfg, model, dataset)  # before the sampler and the loop read the data-parallel ranks
     per_epoch = iters_per_epoch(cfg, dataset)
     loop = train_loop_cfg(cfg)
     full_run = total_iters(loop, per_epoch)
@@ -80,14 +82,19 @@ def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dic
     sampler = dl.get("sampler")
     if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
         dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], f"{key}.sampler.type"))
+    if key == "train_dataloader":
+        from sfttool.parallel.setup import train_sampler
+
+        dl["sampler"] = train_sampler(dl.get("sampler"))
     return dl
 
 
 def iters_per_epoch(cfg: Any, dataset: Any) -> int:
-    """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares)."""
-    from mmengine.dist import get_world_size
+    """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares; the ranks of a
+    sequence-parallel group share theirs)."""
+    from sfttool.parallel.groups import get_data_parallel_world_size
 
-    share = -(-len(dataset) // get_world_size())
+    share = -(-len(dataset) // get_data_parallel_world_size())
     return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
 
 

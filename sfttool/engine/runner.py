@@ -16,6 +16,11 @@ The optimizer wrapper divides each micro-batch loss by ``loss_factor`` and
 data parallelism averages gradients over ``world_size`` ranks, so the step's
 gradient is ``sum(per-token loss) / global_count``: the mean over every trained
 token of the global batch, whatever the split.
+
+With sequence parallelism (``sfttool.parallel``) the ``sp`` ranks of a group
+read the same rows, each computing the loss of its slice: the summed count holds
+every row ``sp`` times, so ``global_count`` is that sum divided by ``sp``, and the
+gradient is still ``sum(per-token loss) / global_count``.
 """
 from __future__ import annotations
 
@@ -260,7 +265,10 @@ class TrainLoop(IterBasedTrainLoop):
         local = sum(int(count_fn(batch["data"])) for batch in batches)
         total = torch.tensor(float(local), dtype=torch.float64)
         all_reduce(total, op="sum")
+        from sfttool.parallel.groups import get_sequence_parallel_world_size
+
+        global_count = total.item() / get_sequence_parallel_world_size()  # each row counted once
         # Guard: a step with no trained token at all contributes zero loss.
-        normalizer = max(total.item(), 1.0) / (loss_factor * get_world_size())
+        normalizer = max(global_count, 1.0) / (loss_factor * get_world_size())
         for batch in batches:
             batch["data"]["loss_normalizer"] = normalizer

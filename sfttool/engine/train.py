@@ -87,11 +87,13 @@ def run(cfg: Any, plan: RunPlan, strict: bool = False) -> None:
     from sfttool.engine.hooks.preemption_hook import signal_handlers_restored
     from sfttool.engine.summary import announce_summary
     from sfttool.engine.validation import restore_best_weights, validation_runner_args
+    from sfttool.parallel.setup import check_sequence_parallel_config
 
     set_random_seed(plan.seed)
     plan.name = experiment_name(cfg)
     with setup_log(plan.name) as records:  # data and model loading, before the runner's log file exists
         preflight.check_template(cfg, strict)  # seconds, before the data is processed
+        check_sequence_parallel_config(cfg)  # the number of processes is known now, the data not processed yet
         dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
         plan.validation = validation_runner_args(cfg)  # val_dataloader/val_cfg/val_evaluator, or {}
         model_cfg, dtype_note = preflight.model_cfg_for_device(cfg.model, torch.cuda.is_available())

@@ -9,7 +9,8 @@ Forward never passes an attention mask and always ``use_cache=False``: with
 keeps packed samples (and the padding pseudo-sample) from attending to each
 other on every backend. A padding mask or a KV cache would silently undo that.
 (Flash-attention reads the boundaries from one row only, so with it the batch
-runs as a single row.)
+runs as a single row.) Under sequence parallelism (``sfttool.parallel``) each
+rank runs its slice of every row, and attention reads the whole rows' positions.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
+from sfttool.parallel import sequence as sequence_parallel
+from sfttool.parallel.split import RowSplit
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
 
 logger = logging.getLogger(__name__)
@@ -160,27 +163,48 @@ class SupervisedFinetune(BaseModel):
             input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
         return input_ids, position_ids, flat
 
+    def _row_split(self, position_ids: torch.Tensor):
+        """This rank's share of the rows (``position_ids`` as the LLM takes them) under sequence
+        parallelism; None without it."""
+        size = sequence_parallel.get_sequence_parallel_world_size()
+        if size == 1:
+            return None
+        return RowSplit.of(position_ids, size, sequence_parallel.get_sequence_parallel_rank(),
+                           sequence_parallel.get_sequence_parallel_group())
+
+    def _forward_kwargs(self, data: dict) -> tuple[dict, bool, Any]:
+        """The LLM's keyword arguments, whether the batch was flattened, and the row split (or None).
+        Under sequence parallelism the LLM gets this rank's slice, and attention the whole rows' split."""
+        input_ids, position_ids, flat = self._inputs(data)
+        kwargs = dict(attention_mask=None, use_cache=False)
+        split = self._row_split(position_ids)
+        if split is not None:
+            input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
+            kwargs["sequence_parallel"] = split
+        return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
+
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None) -> torch.Tensor:
         """The logits of ``self.llm`` (or of another ``llm``, e.g. a frozen reference copy, run
-        through the same packed forward)."""
+        through the same packed forward). Under sequence parallelism: this rank's slice, with
+        ``logits_to_keep`` already laid out as the slice."""
         llm = self.llm if llm is None else llm
-        input_ids, position_ids, flat = self._inputs(data)
-        if flat and isinstance(logits_to_keep, torch.Tensor):
+        kwargs, flat, split = self._forward_kwargs(data)
+        if flat and split is None and isinstance(logits_to_keep, torch.Tensor):
             logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
         use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(llm)
-        kwargs = {"logits_to_keep": logits_to_keep} if use_keep else {}
-        logits = llm(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                     use_cache=False, **kwargs).logits
-        if flat and logits.dim() == 3:
+        if use_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        logits = llm(**kwargs).logits
+        if flat and split is None and logits.dim() == 3:
             logits = logits.view(*data["input_ids"].shape, -1)
         return logits
 
     def _hidden_states(self, decoder: torch.nn.Module, data: dict) -> torch.Tensor:
-        """The decoder's last hidden states [batch, seq, hidden]: the LLM without its head."""
-        input_ids, position_ids, _ = self._inputs(data)
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
-                         use_cache=False).last_hidden_state
-        return hidden.view(*data["input_ids"].shape, -1)
+        """The decoder's last hidden states [batch, seq, hidden]: the LLM without its head (under
+        sequence parallelism this rank's slice, laid out as ``RowSplit.local``)."""
+        kwargs, _, split = self._forward_kwargs(data)
+        hidden = decoder(**kwargs).last_hidden_state
+        return hidden if split is not None else hidden.view(*data["input_ids"].shape, -1)
 
     def _logits(self, data: dict) -> torch.Tensor:
         return self._run_llm(data)  # [batch, seq, vocab]
@@ -244,6 +268,9 @@ class SupervisedFinetune(BaseModel):
 
     def compute_loss(self, data: dict) -> dict:
         targets, keep, position_ids = self._trained_positions(data)
+        split = self._row_split(self._inputs(data)[1])
+        if split is not None:
+            return self._sequence_parallel_loss(data, targets, keep, position_ids, split)
         parts = self._lm_parts()
         if parts is None:
             total = self._unchunked_loss(data, targets, keep, position_ids)
@@ -254,6 +281,29 @@ class SupervisedFinetune(BaseModel):
         normalizer = data.get("loss_normalizer")
         if normalizer is None:
             normalizer = self.count_loss_units(data)
+        return {"loss": total / max(float(normalizer), 1e-12)}
+
+    def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
+        """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's
+        last position predicts the next slice's first token); the returned value is the whole rows'
+        loss on every rank, while each rank's gradient is its own slice's (see ``sfttool.parallel.comm``)."""
+        weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] over the whole rows
+        targets = split.local(targets, L.IGNORE_INDEX)  # [batch, seq/sp]
+        weights = None if weights is None else split.local(keep.float().masked_scatter(keep, weights), 0.0)
+        keep = targets != L.IGNORE_INDEX
+        weights = None if weights is None else weights[keep]
+        parts = self._lm_parts()
+        if parts is None:
+            logits = self._run_llm(data, logits_to_keep=keep)
+            token_loss = torch.nn.functional.cross_entropy(
+                (logits[keep] if logits.dim() == 3 else logits).float(), targets[keep], reduction="none")
+            total = token_loss.sum() if weights is None else (token_loss * weights).sum()
+        else:
+            total = self._head_loss(parts, self._hidden_states(parts.decoder, data)[keep], targets[keep], weights)
+        total = sequence_parallel.reduce_sequence_parallel_loss(total, split.group)
+        normalizer = data.get("loss_normalizer")
+        if normalizer is None:  # as the train loop's: the rows' units once over the group's ranks
+            normalizer = self.count_loss_units(data) / split.size
         return {"loss": total / max(float(normalizer), 1e-12)}
 
     def _unchunked_loss(self, data, targets, keep, position_ids) -> torch.Tensor:

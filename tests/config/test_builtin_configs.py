@@ -29,7 +29,9 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  "demo_smollm2_135m_lora_dpo_helpful_e3", "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1",
                  "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1",
-                 "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1"}
+                 "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1",
+                 # long context: sequence parallelism (docs/long_context.md)
+                 "qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3"}
 FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
     "qwen2_5_0_5b_instruct": ("qwen_chat", False),
     "qwen2_5_1_5b_instruct": ("qwen_chat", False),

@@ -80,3 +80,47 @@ def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir
     b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def launch_two_nodes(args: list[str], timeout: int = 400) -> list[subprocess.CompletedProcess]:
+    """``sfttool train`` twice in parallel as NODE_RANK 0 and 1 of NNODES=2 (one process each) on this machine."""
+    from sfttool.engine.launch import free_port
+
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1", NNODES="2", ADDR="127.0.0.1", PORT=str(free_port()), NPROC_PER_NODE="1")
+    base.pop("LOCAL_RANK", None)
+    nodes = [subprocess.Popen([sys.executable, "-m", "sfttool.cli.main", "train", *args], env=dict(base, NODE_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [node.communicate(timeout=timeout) for node in nodes]
+    return [subprocess.CompletedProcess(node.args, node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_with_sequence_parallelism_resume_into_the_one_process_run(
+        tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    """NNODES=2 on one machine, one process per node, each row split across the two nodes
+    (sequence_parallel_size = 2): stopped after 2 optimizer steps and resumed, the run ends with the
+    weights of one process training on the whole rows, uninterrupted (which 2 processes on one node
+    with sequence_parallel_size = 2 match too: tests/parallel/test_sequence_parallel_train.py)."""
+    from safetensors.torch import load_file
+
+    from sfttool.engine.train import train
+
+    common = dict(max_epochs=0.25, lr=5e-3, dropout=0.0, save_steps=4)  # 10 iterations = 5 optimizer steps of 2
+    whole = write_config(tmp_path / "one.py", tiny_qwen2_dir, tiny_sft_jsonl, **common)
+    split = tmp_path / "sp.py"
+    split.write_text(whole.read_text().replace("seed = 7\n", "seed = 7\nsequence_parallel_size = 2\n"))
+    nodes = tmp_path / "nodes"  # one folder both nodes see, as a shared filesystem
+    for extra in (["--max-steps", "2"], ["--resume"]):
+        results = launch_two_nodes([str(split), "--work-dir", str(nodes), *extra])
+        assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-2000:] for r in results)
+        if extra[0] == "--max-steps":
+            assert sorted(p.name for p in nodes.glob("iter_*")) == ["iter_4.pth"]
+    assert sorted(p.name for p in nodes.glob("iter_*")) == ["iter_10.pth", "iter_8.pth"]  # the newest 2 kept
+    single = train(str(whole), work_dir=str(tmp_path / "one"))
+    assert logged(nodes) == pytest.approx(logged(single)[4:], rel=1e-5)  # the resumed iterations 5-10
+    a = load_file(nodes / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

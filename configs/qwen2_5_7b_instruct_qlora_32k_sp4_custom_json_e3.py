@@ -1,0 +1,209 @@
+"""QLoRA (4-bit base weights + LoRA adapter) of Qwen2.5-7B-Instruct on rows of up to
+32,768 tokens: your own long conversations (JSON/JSONL, the standard `conversation` format),
+3 epochs, each row split over 4 GPUs by sequence parallelism (docs/long_context.md).
+
+Each row of your file is
+    {"conversation": [{"system": "...", "input": "...", "output": "..."}, ...]}
+
+    sfttool copy-cfg qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3 .                  # 1. an editable copy
+    # 2. set data_path (and SYSTEM, evaluation_inputs) in qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3_copy.py
+    sfttool check-custom-dataset qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3_copy.py   # 3. check every row
+    NPROC_PER_NODE=4 sfttool train qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3_copy.py
+
+Memory per GPU (estimate; bf16 compute, 32,768 / 4 = 8,192 tokens of each row per GPU):
+  NF4 base weights, whole on every GPU: 7.6B params x 0.55 bytes        = 4.2 GB
+  LoRA r=64 on every linear layer: 161M params x 16 bytes
+    (float32 weights, gradients, Adam's two moments)                     = 2.6 GB
+  checkpointed layer inputs: 28 layers x 8,192 x 3,584 hidden x 2 bytes  = 1.6 GB
+  one layer recomputed in backward: ~4 MLP buffers of
+    8,192 x 18,944 x 2 bytes (0.31 GB each)                              = 1.2 GB
+  attention after the all-to-all: 7 of 28 query heads, 1 of 4 key/value
+    heads, all 32,768 positions; flash-attention varlen, no [seq, seq]
+    scores                                                               = 0.1 GB
+  loss: one chunk of 512 trained positions x 152,064 vocab x 4 bytes     = 0.3 GB
+  => about 10 GB plus the CUDA context: four 24 GB GPUs. Without sequence
+     parallelism one GPU holds 4x the activations (1.6 + 1.2 GB become
+     6.4 + 4.8 GB: about 8.5 GB more), and SDPA instead of flash-attention
+     adds a [32,768 x 32,768] mask (1 GB) and kernels that may not fit it.
+sequence_parallel_size must divide the 28 query and 4 key/value heads: 1, 2 or 4.
+"""
+
+from mmengine.config import read_base
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttool.dataset import process_hf_dataset
+from sfttool.dataset.collate_fns import default_collate_fn
+from sfttool.dataset.data_path import load_data_path
+from sfttool.dataset.split import validation_split
+from sfttool.dataset.map_fns import template_map_fn_factory
+from sfttool.engine.hooks import DatasetInfoHook, EarlyStoppingHook, EvaluateChatHook, ThroughputHook
+from sfttool.engine.runner import TrainLoop
+from sfttool.engine.validation import ValLoop, ValLossMetric
+from sfttool.model import SupervisedFinetune
+from sfttool.utils import PROMPT_TEMPLATE
+
+# Shared parts: the LoRA adapter and 4-bit settings (peft.py), hooks, environment
+# and logging (runtime.py). `sfttool copy-cfg` copies them next to your copy.
+with read_base():
+    from ._base_.peft import *
+    from ._base_.runtime import *
+
+###############################################################################
+#                          PART 1  Settings                                   #
+###############################################################################
+# Model
+pretrained_model_name_or_path = 'Qwen/Qwen2.5-7B-Instruct'
+use_varlen_attn = True    # flash-attention 2 varlen (pip install flash-attn): no [seq, seq] mask at 32k
+sequence_parallel_size = 4   # GPUs sharing each row; heads 28 and key/value heads 4 must divide by it
+
+# Data
+data_path = '/path/to/your/data.jsonl'   # EDIT: a .json/.jsonl file, a folder or a glob
+dataset_map_fn = None          # rows are already in the standard `conversation` format
+prompt_template = PROMPT_TEMPLATE.qwen_chat
+max_length = 32768           # tokens per row; longer samples are truncated
+pack_to_max_length = True    # several whole samples per row, never split
+
+# Scheduler & optimizer
+batch_size = 1               # packed rows per device per iteration
+accumulative_counts = 4      # rows per optimizer step per group of sequence_parallel_size GPUs ...
+accumulative_counts *= sequence_parallel_size   # ... x 4 = 16 iterations: XTuner's convention, the same
+# rows per step as 4 GPUs without sequence parallelism => up to 16 x 32768 = 524,288 tokens per optimizer
+# step per 4 GPUs (the 4 GPUs of a group read the same row, each a quarter of it)
+dataloader_num_workers = 0
+max_epochs = 3
+lr = 2e-4
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1                 # gradient clipping
+warmup_ratio = 0.03          # warm-up over the first 3% of iterations
+seed = 42
+
+# Save
+save_steps = 64              # a checkpoint every 64 iterations = 4 optimizer steps (a step boundary)
+save_total_limit = 2         # keep the newest 2 (-1 keeps all)
+
+# Validation: a seeded share of the rows held out before packing (no row in both),
+# or a separate file; val/loss is the mean over every trained token of that set.
+val_data_path = None         # a file, folder, glob or hub name (the data_path rules); wins over val_ratio
+val_ratio = 0                # validation does not run with sequence parallelism: none held out
+max_val_rows = 200           # ... at most 200: each validation costs ~200 samples' forward passes
+val_interval = 100           # optimizer steps between validations; one more at the end
+early_stopping_patience = None   # stop after this many validations without improvement (None: never)
+early_stopping_min_delta = 0.0   # an improvement must lower val/loss by more than this
+export_best = False          # True: the end-of-training HF export holds the best validation's weights
+
+# Tracking: 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]'), or [] for none.
+# Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
+report_to = ['tensorboard']
+
+# Sample generations during training
+evaluation_freq = 256        # every 256 iterations = 16 optimizer steps, plus before and after training
+evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short
+SYSTEM = ''                   # EDIT: the system prompt your data uses, if any
+evaluation_inputs = ['Please tell me five scenic spots in Shanghai']   # EDIT: prompts like yours
+
+###############################################################################
+#                      PART 2  Model & Tokenizer                              #
+###############################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=False,
+    padding_side='right')
+
+model = dict(
+    type=SupervisedFinetune,
+    use_varlen_attn=use_varlen_attn,
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        trust_remote_code=False,
+        dtype='bfloat16',
+        quantization_config=qlora_4bit),   # NF4, from _base_/peft.py
+    lora=lora_config)                  # r=64, alpha=16, every linear layer but the head
+
+###############################################################################
+#                      PART 3  Dataset & Dataloader                           #
+###############################################################################
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=validation_split, dataset=dict(type=load_data_path, path=data_path), part='train',
+                 val_ratio=val_ratio, max_val_rows=max_val_rows, val_data_path=val_data_path, seed=seed),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=dataset_map_fn,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    remove_unused_columns=True,
+    shuffle_before_pack=True,
+    pack_to_max_length=pack_to_max_length,
+    use_varlen_attn=use_varlen_attn,
+    seed=seed)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
+
+# The held-out rows, through the same pipeline (map fn, template, masking, packing).
+val_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn))
+
+###############################################################################
+#                    PART 4  Scheduler & Optimizer                            #
+###############################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,       # bf16 autocast on a GPU; a plain float32 OptimWrapper on CPU, with a warning
+    optimizer=dict(type=AdamW, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='bfloat16')
+
+# Linear warm-up from lr x 1e-5 over the first warmup_ratio of the run, then cosine to 0.
+# Bounds are in epochs (warmup_ratio x max_epochs), converted to iterations at run time.
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, convert_to_iter_based=True,
+         begin=0, end=warmup_ratio * max_epochs),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, convert_to_iter_based=True,
+         begin=warmup_ratio * max_epochs, end=max_epochs),
+]
+
+# val_interval counts optimizer steps; the loop counts iterations (accumulative_counts per step).
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=ValLossMetric)
+
+###############################################################################
+#                            PART 5  Runtime                                  #
+###############################################################################
+# Hooks of this run: dataset statistics before training, sample generations every
+# `evaluation_freq` iterations and before and after training, throughput in the log.
+custom_hooks = [
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=evaluation_freq,
+         evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
+         max_new_tokens=evaluation_max_new_tokens),
+    dict(type=ThroughputHook),
+    dict(type=EarlyStoppingHook, patience=early_stopping_patience, min_delta=early_stopping_min_delta),
+]
+
+# Timer, logger, lr scheduler and sampler-seed hooks come from _base_/runtime.py;
+# the checkpoint hook depends on this run's settings.
+default_hooks = dict(
+    **base_hooks,
+    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
+                    max_keep_ckpts=save_total_limit,
+                    save_best='val/loss', rule='less'))   # best_val_loss_iter_N.pth, outside the rotation
+
+randomness = dict(seed=seed, deterministic=False)
+# env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py
