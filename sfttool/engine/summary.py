@@ -14,6 +14,7 @@ from typing import Any
 
 from sfttool.engine.assemble import RunPlan, iters_per_epoch, this_run_iters, total_iters, train_loop_cfg
 from sfttool.engine.preflight import accumulative_counts
+from sfttool.parallel.setup import sequence_parallel_size
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -76,10 +77,15 @@ def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: 
     per_epoch = iters_per_epoch(cfg, dataset)
     full = total_iters(train_loop_cfg(cfg), per_epoch)
     iterations = this_run_iters(cfg, plan, full)
+    # The ranks of one sequence-parallel group share each row: rows per step grow with the groups.
+    sp = sequence_parallel_size(cfg)
+    groups = max(world_size // sp, 1)
     processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+    if sp > 1:
+        processes = f"{groups} data-parallel group{'s' if groups != 1 else ''} of {sp} sequence-parallel processes"
     data = f"Data: {rows:,} rows"
     if tokens is not None and rows:
-        per_step = tokens / rows * batch * accum * world_size
+        per_step = tokens / rows * batch * accum * groups
         data += (f", {tokens:,} tokens; about {per_step:,.0f} tokens per optimizer step "
                  f"(batch {batch} x {accum} accumulation x {processes})")
     epochs = iterations / per_epoch
