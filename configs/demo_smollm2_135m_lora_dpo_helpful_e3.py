@@ -57,6 +57,7 @@ max_packed_length = 512      # per packed row: 52 pairs of ~100 tokens pack into
 loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_pair, simpo
 beta = 0.1
 label_smoothing = 0.0
+precompute_ref_log_probs = True   # one reference pass before training; steps skip its forward
 
 # Scheduler & optimizer
 batch_size = 1               # rows per step
@@ -97,6 +98,7 @@ model = dict(
     loss_type=loss_type,
     beta=beta,
     label_smoothing=label_smoothing,
+    precompute_ref_log_probs=precompute_ref_log_probs,
     use_varlen_attn=use_varlen_attn,
     use_activation_checkpointing=False,   # 135M parameters: memory is not the limit, time is
     llm=dict(
