@@ -13,15 +13,14 @@ on the number of processes. Each process computes every ``world_size``-th row an
 exchange their shares. The pass runs before DeepSpeed partitions the model: a full fine-tune's
 frozen reference copy is then freed and never reaches DeepSpeed or the optimizer.
 
-    >>> dataset = add_reference_log_probs(model, dataset)   # doctest: +SKIP
-    >>> dataset[0]['ref_logps']                              # doctest: +SKIP
+    >>> dataset = add_reference_log_probs(model, dataset, torch.device('cpu'))   # doctest: +SKIP
+    >>> dataset[0]['ref_logps']   # a row of two pairs                           # doctest: +SKIP
     [-41.2, -57.9, -12.0, -30.3]
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import time
 from typing import Any
 
@@ -29,8 +28,6 @@ import torch
 
 from sfttool.dataset.collate_fns.preference_collate_fn import REF_COLUMN, preference_collate_fn
 from sfttool.errors import SfttoolError
-
-logger = logging.getLogger(__name__)
 
 
 class PrecomputeError(SfttoolError, ValueError):
