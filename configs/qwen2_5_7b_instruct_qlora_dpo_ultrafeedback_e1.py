@@ -56,6 +56,7 @@ max_packed_length = 4096     # tokens per packed row: whole pairs, chosen + reje
 loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_pair, simpo
 beta = 0.1                   # KL strength: smaller lets the policy move further from the reference
 label_smoothing = 0.0
+precompute_ref_log_probs = False  # True: one reference pass before training, steps skip its forward
 
 # Scheduler & optimizer
 batch_size = 1               # packed rows per device per iteration
@@ -98,6 +99,7 @@ model = dict(
     loss_type=loss_type,
     beta=beta,
     label_smoothing=label_smoothing,
+    precompute_ref_log_probs=precompute_ref_log_probs,
     use_varlen_attn=use_varlen_attn,
     llm=dict(
         type=AutoModelForCausalLM.from_pretrained,

@@ -104,6 +104,9 @@ def run(cfg: Any, plan: RunPlan, strict: bool = False) -> None:
         ignore_frozen_weights_on_load(model)  # a LoRA checkpoint holds the adapter only, by design
         if plan.resume_from and not plan.deepspeed:  # DeepSpeed's folders load only with its own objects
             check_checkpoint_fits(plan.resume_from, model)  # another model's checkpoint: one line, now
+        prepare = getattr(model, "prepare_train_data", None)
+        if prepare is not None:  # a pass over the data the model needs first (DPO's precomputed reference)
+            dataset = prepare(dataset, cfg.get("optim_wrapper"))
     with _scratch_work_dir(plan) as runner_plan:
         runner = build_runner(cfg, model, dataset, runner_plan)
         replay_setup_log(runner, records)

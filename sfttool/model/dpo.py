@@ -16,6 +16,7 @@ import torch
 from sfttool.model import preference_loss as P
 from sfttool.model.build import build_llm
 from sfttool.model.preference import PairwiseModel, check_args
+from sfttool.model.preference_precompute import REF_COLUMN
 from sfttool.registry import BUILDER, ConfigBuildError
 
 logger = logging.getLogger(__name__)
@@ -35,19 +36,27 @@ class DPO(PairwiseModel):
         label_smoothing: the assumed fraction of flipped labels (``sigmoid``,
             ``robust``, ``simpo``), in [0, 0.5).
         simpo_gamma: SimPO's target reward margin.
+        precompute_ref_log_probs: compute the reference log-probs once, in a pass over the
+            training set before the first step (``prepare_train_data``), instead of a reference
+            forward in every step; the frozen reference copy of a full fine-tune is freed after it.
     """
 
     build_args_lazily = ("llm", "ref_llm")
 
     def __init__(self, llm, ref_llm=None, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5,
-                 **sft_args):
+                 precompute_ref_log_probs=False, **sft_args):
         check_args(loss_type, beta, label_smoothing)
+        if not isinstance(precompute_ref_log_probs, bool):
+            raise ConfigBuildError(f"model.precompute_ref_log_probs must be True or False, got "
+                                   f"{precompute_ref_log_probs!r}")
         if ref_llm is not None and sft_args.get("lora") is not None:
             raise ConfigBuildError("model.ref_llm: with LoRA the reference is the base model with the "
                                    "adapter disabled; remove ref_llm (or set lora=None)")
         super().__init__(llm, **sft_args)
         self.beta, self.loss_type = beta, loss_type
         self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
+        self.precompute_ref_log_probs = precompute_ref_log_probs
+        self.reference_freed = False  # the pre-pass freed the frozen copy: batches must bring ref_logps
         self.ref_llm = None
         if loss_type in P.REFERENCE_FREE:
             return
@@ -79,10 +88,40 @@ class DPO(PairwiseModel):
         with self.llm.disable_adapter():
             return self.sequence_logps(data)
 
+    def reference_sums(self, data: dict) -> torch.Tensor:
+        """The reference's summed log-prob per sequence [2 * pairs]: precomputed in the batch
+        (``ref_logps``, see ``prepare_train_data``), else from a reference forward."""
+        if REF_COLUMN in data:
+            return data[REF_COLUMN].to(device=data["labels"].device, dtype=torch.float32)
+        if self.reference_freed:
+            raise ConfigBuildError("the batch has no `ref_logps`, and the reference model was freed after "
+                                   "precomputing them: give the model batches of the dataset prepare_train_data "
+                                   "returned, collated by preference_collate_fn")
+        return self.reference_logps(data)[0]
+
+    def prepare_train_data(self, dataset: Any, optim_wrapper: Any = None) -> Any:
+        """With ``precompute_ref_log_probs``: the training set with the reference log-probs as a
+        column (``sfttool.model.preference_precompute``); the frozen reference copy is freed after
+        it. The train entry calls this once the model and the data are built, before the runner."""
+        if not self.precompute_ref_log_probs or self.loss_type in P.REFERENCE_FREE:
+            return dataset
+        from sfttool.model import preference_precompute as pre
+        device = pre.place_on_run_device(self.ref_llm if self.ref_llm is not None else self.llm)
+        was_training = self.training
+        self.eval()
+        try:
+            dataset = pre.add_reference_log_probs(self, dataset, device, pre.training_autocast_dtype(optim_wrapper))
+        finally:
+            self.train(was_training)
+        if self.ref_llm is not None:
+            self.ref_llm, self.reference_freed = None, True  # its one use is over: no second copy in training
+            pre.release_memory()
+        return dataset
+
     def pair_logps(self, data: dict) -> dict[str, torch.Tensor | None]:
         """Chosen and rejected log-probs [pairs] of the policy and the reference (None: reference-free)."""
         sums, counts = self.sequence_logps(data)
-        ref = None if self.loss_type in P.REFERENCE_FREE else self.reference_logps(data)[0]
+        ref = None if self.loss_type in P.REFERENCE_FREE else self.reference_sums(data)
         if self.loss_type in P.AVERAGED:
             sums = sums / counts
             ref = None if ref is None else ref / counts

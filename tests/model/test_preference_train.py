@@ -38,7 +38,8 @@ def demo_copy(tmp_path_factory, tiny_llama_dir):
     for old, new in [("pretrained_model_name_or_path = dict(type=export_smollm2)",
                       f"pretrained_model_name_or_path = {str(tiny_llama_dir)!r}"),
                      ("max_epochs = 3", "max_epochs = 1"),
-                     ("max_packed_length = 512", "max_packed_length = 1024")]:
+                     ("max_length = 128", "max_length = 256"),  # the tiny tokenizer's pieces are shorter
+                     ("max_packed_length = 256", "max_packed_length = 1024")]:
         assert old in text, old
         text = text.replace(old, new)
     path.write_text(text)
@@ -68,6 +69,8 @@ def test_the_demo_trains_and_logs_the_rewards(demo_run):
     assert (demo_run / "hf_adapter" / "adapter_config.json").is_file()
     log = next(demo_run.rglob("*.log")).read_text()
     assert re.search(r"Preference data: 52 rows in, 52 pairs in \d+ rows out", log)
+    # The demo precomputes its reference log-probs: one pass, logged with its count and time.
+    assert re.search(r"Reference log-probs: 52 pairs in \d+ rows in [\d.]+ s", log)
 
 
 @pytest.mark.slow

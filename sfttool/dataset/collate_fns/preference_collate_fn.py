@@ -4,6 +4,8 @@ The batch is ``default_collate_fn``'s (right padding as its own
 pseudo-sequence, no attention mask) plus ``sequence_ids`` [batch, seq]: the
 batch-wide index of the sequence each token belongs to, ``2k`` for the chosen
 and ``2k + 1`` for the rejected side of the batch's k-th pair, -1 for padding.
+Rows that carry precomputed reference log-probs (the column ``ref_logps``, one
+per sequence) add ``ref_logps`` [2 * pairs], in the order of ``sequence_ids``.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 
 from sfttool.dataset.collate_fns.default_collate_fn import default_collate_fn
 from sfttool.utils.constants import DEFAULT_PAD_TOKEN_INDEX
+
+REF_COLUMN = "ref_logps"
 
 
 def pair_sequence_ids(sample_lengths: Sequence[Sequence[int]], length: int) -> torch.Tensor:
@@ -46,6 +50,11 @@ def preference_collate_fn(instances: Sequence[dict[str, Any]], pad_index: int = 
     data = default_collate_fn(instances, pad_index, return_hf_format=True, use_varlen_attn=use_varlen_attn)
     sizes = [inst.get("sample_lengths") or [len(inst["input_ids"])] for inst in instances]
     data["sequence_ids"] = pair_sequence_ids(sizes, data["input_ids"].shape[1])
+    if all(inst.get(REF_COLUMN) is not None for inst in instances):
+        values = [value for inst in instances for value in inst[REF_COLUMN]]
+        if len(values) != sum(len(s) for s in sizes):
+            raise ValueError(f"rows hold {sum(len(s) for s in sizes)} sequences but {len(values)} {REF_COLUMN}")
+        data[REF_COLUMN] = torch.tensor(values, dtype=torch.float32)  # [2 * pairs]
     if return_hf_format:
         return data
     return {"data": data, "data_samples": None}
