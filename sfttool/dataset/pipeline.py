@@ -23,13 +23,13 @@ import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
-from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, count_tokens, log,  # noqa: F401
-                                    log_report, record_truncation)  # (log is imported from here)
+from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
+                                   log_report)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
-from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, drop_empty_rows,
+from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
                                     drop_untrained_rows, fn_name, map_batch, missing_conversation,
-                                    pretokenized_table)
+                                    pretokenized_table, record_truncation)
 from sfttool.registry import build_if_config
 
 

@@ -10,8 +10,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sfttool.dataset.errors import EXAMPLES, examples
 
 # Why a row is dropped (the keys of ``PipelineReport.dropped``).
@@ -98,20 +96,6 @@ def count_split(report: PipelineReport, rows_of_samples) -> None:
     _, samples = np.unique(np.asarray(rows_of_samples), return_counts=True)
     for many, n in zip(*np.unique(samples[samples > 1], return_counts=True)):
         report.split[int(many)] = report.split.get(int(many), 0) + int(n)
-
-
-def record_truncation(full: np.ndarray, kept: np.ndarray, report: PipelineReport) -> None:
-    """Samples' lengths before and after the cut at max_length, counted in ``report``."""
-    report.encoded = len(full)
-    report.truncated = int((full > kept).sum())
-    report.tokens_cut = int((full - kept).sum())
-
-
-def count_tokens(table, report: PipelineReport) -> None:
-    kept = table["length"].to_numpy()
-    report.tokens = int(kept.sum())
-    report.trained_tokens = int(table["num_trained"].to_numpy().sum())
-    report.sample_lengths = kept.tolist()
 
 
 def warning_lines(report: PipelineReport, max_length: int) -> list[str]:

@@ -21,8 +21,7 @@ import numpy as np
 from sfttool.dataset.conversation import with_every_key
 from sfttool.dataset.encode import UNTRAINED_MASKED
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.report import (DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, count_tokens,
-                                    drop_prompt_too_long, record_truncation)
+from sfttool.dataset.report import DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long
 from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
@@ -216,6 +215,23 @@ def count_ignored_fields(report: PipelineReport, conversations: Sequence[Any], r
 
 
 # ---------------------------------------------------------------------------
+# Counts of the encoded samples (here, not in report.py: the disk cache hashes this module's source).
+
+def record_truncation(full: np.ndarray, kept: np.ndarray, report: PipelineReport) -> None:
+    """Samples' lengths before and after the cut at max_length, counted in ``report``."""
+    report.encoded = len(full)
+    report.truncated = int((full > kept).sum())
+    report.tokens_cut = int((full - kept).sum())
+
+
+def count_tokens(table, report: PipelineReport) -> None:
+    kept = table["length"].to_numpy()
+    report.tokens = int(kept.sum())
+    report.trained_tokens = int(table["num_trained"].to_numpy().sum())
+    report.sample_lengths = kept.tolist()
+
+
+# ---------------------------------------------------------------------------
 # Rows that are tokenized already.
 
 def pretokenized_table(dataset, max_length: int, report: PipelineReport):
@@ -298,7 +314,8 @@ def numpy_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: li
         first[i] = first_trained([], conversations[i])
     length = np.minimum(full, max_length)
     cuts = np.cumsum(length)[:-1]
-    return {"input_ids": np.split(ids[kept], cuts), "labels": np.split(labels[kept], cuts),
+    split = (lambda flat: np.split(flat, cuts)) if n else (lambda flat: [])  # np.split of nothing gives one part
+    return {"input_ids": split(ids[kept]), "labels": split(labels[kept]),
             "length": length.astype(np.int32), "num_tokens": full.astype(np.int32),
             "num_trained": np.bincount(row[trained & kept], minlength=n).astype(np.int32),
             "first_trained": first.astype(np.int32)}

@@ -101,3 +101,16 @@ def test_output_is_pinned(tiny_tokenizer):
 
 PINNED_COUNTS = (42, 2430, 783)
 PINNED_DIGEST = "ea720b704145d03c"
+
+
+@pytest.mark.parametrize("max_length", [1, 16, 64, 4096])
+def test_batch_columns_built_in_numpy_equal_encode_batch(tiny_tokenizer, max_length):
+    from sfttool.dataset.encode import encode_batch
+    from sfttool.dataset.stages import encode_template_batch
+    conversations = [QWEN(row)["conversation"] for row in edge_rows() if row["conversation"]]
+    batch, indices = {"conversation": conversations}, list(range(10, 10 + len(conversations)))
+    expected = encode_batch(batch, indices, tiny_tokenizer, max_length)
+    got = encode_template_batch(batch, indices, tiny_tokenizer, max_length)
+    assert {name: [list(v) if hasattr(v, "__len__") else v for v in values] for name, values in got.items()} == \
+        {name: list(values) for name, values in expected.items()}
+    assert len(set(expected["first_trained"])) > 2  # trained, masked and cut rows are all there
