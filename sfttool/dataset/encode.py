@@ -224,11 +224,7 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
     row, and the ``carry`` columns are repeated for each sample of their row.
     """
     row_numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
-    for conversation, row in zip(batch["conversation"], row_numbers):
-        check_conversation(conversation, row, source, need_output=input_ids_with_output)
-        if len(conversation) > 1 and not input_ids_with_output:
-            raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "
-                               "single-turn conversations")
+    check_batch(batch["conversation"], row_numbers, source, input_ids_with_output)
     if hf_chat_template:
         samples_of = _chat_template_rows(batch["conversation"], row_numbers, tokenizer, input_ids_with_output,
                                          chat_options)
@@ -247,6 +243,15 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
     if len(rows_ids) != len(row_numbers):  # datasets needs every kept column at the new length
         out.update({name: _repeat(batch[name], counts) for name in carry if name != ROW_COLUMN})
     return out
+
+
+def check_batch(conversations: list, row_numbers: list[int], source: str | None, input_ids_with_output: bool) -> None:
+    """Each conversation is well formed (``check_conversation``), and single-turn when no output is encoded."""
+    for conversation, row in zip(conversations, row_numbers):
+        check_conversation(conversation, row, source, need_output=input_ids_with_output)
+        if len(conversation) > 1 and not input_ids_with_output:
+            raise DatasetError(f"{where(row, source)}: input_ids_with_output=False only supports "
+                               "single-turn conversations")
 
 
 def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, input_ids_with_output: bool,

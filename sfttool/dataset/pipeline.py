@@ -1,7 +1,8 @@
 """``process_hf_dataset``: load -> map fn -> template -> encode -> pack.
 
 Each stage is one labelled ``datasets.map`` (or one Arrow step for packing),
-and every count that changes is logged with its reason::
+except that the built-in template map fn runs inside the encode stage's
+``map``, and every count that changes is logged with its reason::
 
     train_dataset = dict(type=process_hf_dataset,
                          dataset=dict(type=load_dataset, path='json', data_files='data.jsonl'),
@@ -26,8 +27,9 @@ from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, lo
                                    log_report)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
-from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, drop_empty_rows,
-                                    drop_untrained_rows, fn_name, map_batch, missing_conversation)
+from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
+                                    drop_untrained_rows, fn_name, map_batch, missing_conversation,
+                                    pretokenized_table, record_truncation)
 from sfttool.registry import build_if_config
 
 
@@ -76,6 +78,15 @@ def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, r
     return dataset.remove_columns([NOTES_COLUMN])
 
 
+def folds_into_encode(template_map_fn: Callable | None, rename_maps, do_dataset_tokenization: bool) -> bool:
+    """Whether the template map fn runs inside the encode stage's ``map`` (as the stream applies it), saving
+    a pass that reads and writes every conversation through Arrow. Only the built-in one: it keeps every
+    turn and key, so the drops and counts before encoding see what they saw after a template stage; a
+    user's template map fn (which may add columns or empty a conversation) and renames keep the stage."""
+    from sfttool.dataset.map_fns.template_map_fn import template_map_fn as builtin
+    return getattr(template_map_fn, "func", None) is builtin and not rename_maps and do_dataset_tokenization
+
+
 def apply_template(dataset, template_map_fn: Callable, num_proc: int, source: str | None):
     return dataset.map(map_batch, batched=True, with_indices=True, num_proc=num_proc,
                        fn_kwargs=dict(fn=template_map_fn, source=source, role="template_map_fn"),
@@ -117,10 +128,13 @@ def _column(dataset, name: str):
 
 
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, template, remove_unused_columns: bool,
-           num_proc: int, source: str | None, report: PipelineReport):
-    """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``)."""
+           num_proc: int, source: str | None, report: PipelineReport, template_map_fn: Callable | None = None):
+    """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``).
+    ``template_map_fn`` (``folds_into_encode``) is applied to each batch first."""
+    from datasets.fingerprint import Hasher
+
     from sfttool.dataset.chat_format import renderer
-    from sfttool.dataset.encode import encode_batch
+    from sfttool.dataset.stages import template_and_encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     hf_chat_template = is_hf_chat_template(template)
     count_structured_fields(dataset, renderer(tokenizer, chat_template_options(template)), hf_chat_template, report)
@@ -131,10 +145,13 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
                     hf_chat_template=hf_chat_template, chat_options=chat_template_options(template),
                     carry=[name for name in dataset.column_names if name not in remove])
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
-    fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove)
-    dataset = dataset.map(encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
-                          features=_encoded_features(dataset, remove), new_fingerprint=fingerprint,
-                          fn_kwargs=dict(tokenizer=tokenizer, **settings), desc=f"Tokenizing ({mode} mode)")
+    fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
+                                    template_map_fn and Hasher.hash(template_map_fn))
+    desc = f"{'Templating and tokenizing' if template_map_fn else 'Tokenizing'} ({mode} mode)"
+    dataset = dataset.map(template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc,
+                          remove_columns=remove, features=_encoded_features(dataset, remove),
+                          new_fingerprint=fingerprint, desc=desc,
+                          fn_kwargs=dict(tokenizer=tokenizer, template_map_fn=template_map_fn, **settings))
     if hf_chat_template:
         count_split(report, _row_numbers(dataset))
     return dataset
@@ -200,26 +217,12 @@ def count_truncated(dataset, report: PipelineReport) -> None:
     record_truncation(table["num_tokens"].to_numpy(), table["length"].to_numpy(), report)
 
 
-def record_truncation(full: np.ndarray, kept: np.ndarray, report: PipelineReport) -> None:
-    """Samples' lengths before and after the cut at max_length, counted in ``report``."""
-    report.encoded = len(full)
-    report.truncated = int((full > kept).sum())
-    report.tokens_cut = int((full - kept).sum())
-
-
 def require_rows(dataset, report: PipelineReport):
     """Stop with the drop counts when nothing is left (instead of an empty-table crash later)."""
     if len(dataset) == 0:
         raise DatasetError("no rows left to train on: " + (
             "; ".join(f"{n} dropped ({why})" for why, n in report.dropped.items()) or "the dataset is empty"))
     return dataset
-
-
-def count_tokens(table, report: PipelineReport) -> None:
-    kept = table["length"].to_numpy()
-    report.tokens = int(kept.sum())
-    report.trained_tokens = int(table["num_trained"].to_numpy().sum())
-    report.sample_lengths = kept.tolist()
 
 
 def finish_rows(table, pack_to_max_length: bool, max_length: int, strategy: str, shuffle: bool, seed: int,
@@ -289,9 +292,11 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         stage("map_fn", dataset)
     if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
         require_conversation(dataset, map_fn, source)  # before the template map fn, which would see none
-    if template_map_fn is not None:
-        dataset = apply_template(dataset, template_map_fn, num_proc, source)
-        stage("template", dataset)
+    fold = folds_into_encode(template_map_fn, rename_maps, do_dataset_tokenization)
+    if template_map_fn is not None and (keep_stages or not fold):
+        templated = apply_template(dataset, template_map_fn, num_proc, source)
+        stage("template", templated)  # when folded, only the view check-custom-dataset prints
+        dataset = dataset if fold else templated
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)
     if do_dataset_tokenization:
@@ -299,7 +304,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         dataset = require_rows(drop_empty(dataset, report), report)
         remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
         dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove, num_proc,
-                         source, report)
+                         source, report, template_map_fn if fold else None)
         count_truncated(dataset, report)
         if input_ids_with_output:
             dataset = require_rows(drop_untrained(dataset, report, max_length), report)
@@ -307,41 +312,11 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         table = to_table(dataset)
         count_tokens(table, report)
     else:
-        table = _pretokenized_table(dataset, max_length, report)
+        table = pretokenized_table(dataset, max_length, report)
     dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
     stage("packed" if pack_to_max_length else "rows", dataset)
     report.rows_out = len(dataset)
     return dataset, report
-
-
-def _pretokenized_table(dataset, max_length: int, report: PipelineReport):
-    """``do_dataset_tokenization=False``: rows must already hold input_ids and labels of equal
-    length; rows longer than ``max_length`` are cut there and counted, as encoded ones are."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    missing = {"input_ids", "labels"} - set(dataset.column_names)
-    if missing:
-        raise DatasetError(f"do_dataset_tokenization=False needs columns input_ids and labels; "
-                           f"missing {', '.join(sorted(missing))}")
-    table = to_table(dataset)
-    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
-    label_lengths = pc.list_value_length(table["labels"]).to_numpy(zero_copy_only=False)
-    if (lengths != label_lengths).any():
-        row = int(np.flatnonzero(lengths != label_lengths)[0])
-        raise DatasetError(f"row {row}: {lengths[row]} input_ids but {label_lengths[row]} labels; "
-                           "pre-tokenized rows need one label per token")
-    record_truncation(lengths, np.minimum(lengths, max_length), report)
-    if report.truncated:
-        for name in ("input_ids", "labels"):
-            table = table.set_column(table.column_names.index(name), name, pc.list_slice(table[name], 0, max_length))
-    labels = table["labels"].combine_chunks()
-    trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
-                          minlength=len(table))
-    table = table.append_column("num_trained", pa.array(trained))
-    table = table.append_column("length", pc.list_value_length(table["input_ids"]))
-    table = table.append_column("num_tokens", table["length"])
-    count_tokens(table, report)
-    return table
 
 
 def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=None, template_map_fn=None,

@@ -16,11 +16,13 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from sfttool.dataset.conversation import with_every_key
 from sfttool.dataset.encode import UNTRAINED_MASKED
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.report import (DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport,
-                                    drop_prompt_too_long)
+from sfttool.dataset.report import DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long
+from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
 
@@ -212,3 +214,110 @@ def count_ignored_fields(report: PipelineReport, conversations: Sequence[Any], r
                          tokenizer, hf_chat_template: bool) -> None:
     for note, rows in ignored_field_notes(conversations, row_numbers, tokenizer, hf_chat_template).items():
         report.change(note, rows)
+
+
+# ---------------------------------------------------------------------------
+# Counts of the encoded samples (here, not in report.py: the disk cache hashes this module's source).
+
+def record_truncation(full: np.ndarray, kept: np.ndarray, report: PipelineReport) -> None:
+    """Samples' lengths before and after the cut at max_length, counted in ``report``."""
+    report.encoded = len(full)
+    report.truncated = int((full > kept).sum())
+    report.tokens_cut = int((full - kept).sum())
+
+
+def count_tokens(table, report: PipelineReport) -> None:
+    kept = table["length"].to_numpy()
+    report.tokens = int(kept.sum())
+    report.trained_tokens = int(table["num_trained"].to_numpy().sum())
+    report.sample_lengths = kept.tolist()
+
+
+# ---------------------------------------------------------------------------
+# Rows that are tokenized already.
+
+def pretokenized_table(dataset, max_length: int, report: PipelineReport):
+    """``do_dataset_tokenization=False``: rows must already hold input_ids and labels of equal
+    length; rows longer than ``max_length`` are cut there and counted, as encoded ones are."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    missing = {"input_ids", "labels"} - set(dataset.column_names)
+    if missing:
+        raise DatasetError(f"do_dataset_tokenization=False needs columns input_ids and labels; "
+                           f"missing {', '.join(sorted(missing))}")
+    table = dataset.with_format("arrow")[:]
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
+    label_lengths = pc.list_value_length(table["labels"]).to_numpy(zero_copy_only=False)
+    if (lengths != label_lengths).any():
+        row = int(np.flatnonzero(lengths != label_lengths)[0])
+        raise DatasetError(f"row {row}: {lengths[row]} input_ids but {label_lengths[row]} labels; "
+                           "pre-tokenized rows need one label per token")
+    record_truncation(lengths, np.minimum(lengths, max_length), report)
+    if report.truncated:
+        for name in ("input_ids", "labels"):
+            table = table.set_column(table.column_names.index(name), name, pc.list_slice(table[name], 0, max_length))
+    labels = table["labels"].combine_chunks()
+    trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
+                          minlength=len(table))
+    table = table.append_column("num_trained", pa.array(trained))
+    table = table.append_column("length", pc.list_value_length(table["input_ids"]))
+    table = table.append_column("num_tokens", table["length"])
+    count_tokens(table, report)
+    return table
+
+
+# ---------------------------------------------------------------------------
+# Template + encode in one pass.
+
+def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], template_map_fn: Callable | None,
+                              source: str | None = None, **encode_args: Any) -> dict:
+    """``encode_batch`` on the batch after ``template_map_fn`` (when given): one ``datasets.map`` where two
+    would write every conversation to Arrow and read it back in between. Same samples as the two stages;
+    in template mode the columns come back as numpy arrays (``numpy_columns``)."""
+    from sfttool.dataset.encode import encode_batch
+    if template_map_fn is not None:
+        batch = {**batch, **map_batch(batch, indices, template_map_fn, source, role="template_map_fn")}
+    if encode_args.get("hf_chat_template"):
+        return encode_batch(batch, indices, source=source, **encode_args)
+    return encode_template_batch(batch, indices, source=source, **encode_args)
+
+
+def encode_template_batch(batch: dict[str, list], indices: Sequence[int], tokenizer, max_length: int,
+                          input_ids_with_output: bool = True, source: str | None = None, **_: Any) -> dict:
+    """``encode_batch`` in template mode (one sample per row), its columns built by ``numpy_columns``."""
+    from sfttool.dataset.encode import check_batch, template_pieces, tokenize_pieces
+    numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)
+    conversations = batch["conversation"]
+    check_batch(conversations, numbers, source, input_ids_with_output)
+    rows_ids = tokenize_pieces([template_pieces(c, input_ids_with_output) for c in conversations], tokenizer)
+    return {**numpy_columns(rows_ids, conversations, max_length), ROW_COLUMN: numbers}
+
+
+def numpy_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list, max_length: int) -> dict:
+    """``encode_batch``'s columns (``_truncated_columns``) as numpy arrays, computed over all tokens of the
+    batch at once: each token is read once into numpy, instead of being sliced, counted and converted to
+    Arrow row by row (``datasets`` writes a list of numpy arrays as one Arrow list array). ``input_ids`` and
+    ``labels`` are cut at ``max_length``; the counts are ``_truncated_columns``'."""
+    import itertools
+
+    from sfttool.dataset.encode import first_trained
+    n = len(rows_ids)
+    full = np.fromiter((len(ids) for ids, _ in rows_ids), np.int64, n)  # [rows]
+    total = int(full.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in rows_ids), np.int32, total)  # [tokens]
+    labels = np.fromiter(itertools.chain.from_iterable(lab for _, lab in rows_ids), np.int32, total)
+    row = np.repeat(np.arange(n), full)
+    position = np.arange(total) - np.repeat(np.cumsum(full) - full, full)  # of each token in its sample
+    kept, trained = position < max_length, labels != IGNORE_INDEX
+    first = np.full(n, -1, np.int64)
+    rows_trained, at = np.unique(row[trained], return_index=True)  # rows in order: the first is the earliest
+    first[rows_trained] = position[trained][at]
+    for i in np.flatnonzero(first < 0):  # no trained token: why not
+        first[i] = first_trained([], conversations[i])
+    length = np.minimum(full, max_length)
+    cuts = np.cumsum(length)[:-1]
+    split = (lambda flat: np.split(flat, cuts)) if n else (lambda flat: [])  # np.split of nothing gives one part
+    return {"input_ids": split(ids[kept]), "labels": split(labels[kept]),
+            "length": length.astype(np.int32), "num_tokens": full.astype(np.int32),
+            "num_trained": np.bincount(row[trained & kept], minlength=n).astype(np.int32),
+            "first_trained": first.astype(np.int32)}
