@@ -125,7 +125,7 @@ def test_nan_steps_in_a_row_stop_the_run_with_a_clear_message(robust_config, tmp
 def test_under_deepspeed_nonfinite_steps_are_skipped_by_deepspeed_counted_and_stop_the_run(robust_config, tmp_path):
     config = robust_config(max_iters=12, optim_extra=", max_consecutive_nonfinite=2",
                            custom_hooks="[dict(type='robustness_helpers.NaNLossAt', iters=[3], from_iter=9)]")
-    result = run_train(config, tmp_path / "work", "--deepspeed", "zero2")
+    result = train_in_process(config, tmp_path / "work", "--deepspeed", "zero2")
     log = result.stdout + result.stderr
     assert result.returncode == 1, log[-3000:]
     assert "non-finite loss at iteration 4: DeepSpeed skipped the step (1 in a row, 1 in total" in log
