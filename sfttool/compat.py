@@ -6,6 +6,7 @@ the dependency is fixed. ``apply_all()`` is idempotent and cheap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import logging
@@ -251,6 +252,31 @@ def patch_mmengine_dump_local_functions() -> None:
     Config.pretty_text = property(pretty_text)
 
 
+@functools.lru_cache(maxsize=8)
+def _yapf_format(text: str, style: tuple) -> tuple:
+    from yapf.yapflib.yapf_api import FormatCode
+
+    return FormatCode(text, style_config=dict(style))
+
+
+def cache_mmengine_config_formatting() -> None:
+    """mmengine 0.10.x formats the whole config with yapf (~0.4 s) on every ``Config.pretty_text``:
+    the log, each dump and each checkpoint's metadata, about 7 times per run of the same text.
+    The formatting is a pure function of the text, so the last few results are kept."""
+    if not _once("mmengine_config_formatting"):
+        return
+    import mmengine.config.config as mm_config
+
+    format_code = mm_config.FormatCode
+
+    def format_once(text, style_config=None, **kwargs):
+        if kwargs or not isinstance(style_config, dict):
+            return format_code(text, style_config=style_config, **kwargs)
+        return _yapf_format(text, tuple(sorted(style_config.items())))
+
+    mm_config.FormatCode = format_once
+
+
 def quiet_bnb_cpu_kernel_warning() -> None:
     """bitsandbytes 0.50 on a CPU with AVX512-BF16 tries, at import, to fetch an
     inference kernel from the model hub (``kernels`` package) and logs a warning
@@ -364,6 +390,7 @@ def apply_all() -> None:
     """Apply every patch sfttool needs (config loading and training)."""
     patch_mmengine_package_lookup()
     patch_mmengine_dump_local_functions()
+    cache_mmengine_config_formatting()
     quiet_bnb_cpu_kernel_warning()
 
 

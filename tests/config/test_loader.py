@@ -223,3 +223,21 @@ def test_keys_read_by_the_runner_or_the_tools_may_be_overridden():
     assert load_config(name, ["experiment_name='mine'"]).experiment_name == "mine"
     cfg = load_config(name, ["tokenizer.padding_side='left'"])
     assert cfg.tokenizer.padding_side == "left"
+
+
+def test_the_config_text_is_formatted_once_per_text():
+    """mmengine formats the whole config with yapf on every `pretty_text` (the log, each dump, each
+    checkpoint): the same text is formatted once, and the result is what yapf writes."""
+    from mmengine.config import Config
+
+    from sfttool import compat
+
+    compat.apply_all()
+    compat._yapf_format.cache_clear()
+    cfg = Config(dict(a=1, b=[1, 2], c=dict(type="x", d="y")))
+    assert cfg.pretty_text == "a = 1\nb = [\n    1,\n    2,\n]\nc = dict(d='y', type='x')\n"
+    assert cfg.pretty_text == "a = 1\nb = [\n    1,\n    2,\n]\nc = dict(d='y', type='x')\n"
+    assert compat._yapf_format.cache_info()[:2] == (1, 1)  # (hits, misses)
+    cfg.b = [3]
+    assert cfg.pretty_text == "a = 1\nb = [\n    3,\n]\nc = dict(d='y', type='x')\n"  # a changed config: formatted anew
+    assert compat._yapf_format.cache_info()[:2] == (1, 2)

@@ -99,6 +99,18 @@ def write_config(path: Path, model_dir, data_file, *, batch_size=1, accumulative
 
 
 
+def lockstep_config(path: Path, model_dir, data_file, custom_hooks: str = "") -> Path:
+    """40 packed rows / 2 ranks = 20 iterations per rank (10 optimizer steps), checkpoints every 10
+    iterations, dropout on; each rank dumps its weights at the end (``DumpWeightsHook``)."""
+    hooks = f"[dict(type='engine_helpers.DumpWeightsHook'), {custom_hooks}]"
+    return write_config(path, model_dir, data_file, max_epochs=1, lr=5e-3, save_steps=10, custom_hooks=hooks)
+
+
+def two_ranks(deepspeed: str | None = None) -> list[str]:
+    """The `sfttool train` flags of a two-process run (DDP, or DeepSpeed with that preset)."""
+    return ["--nproc-per-node", "2", *(["--deepspeed", deepspeed] if deepspeed else [])]
+
+
 class Interrupted(RuntimeError):
     """Raised by ``StopAfterIter`` to simulate a run killed after a checkpoint."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import logged, mean, write_config
+from engine_helpers import lockstep_config, logged, mean, write_config
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,18 +26,13 @@ def run_sfttool(args: list[str], timeout: int = 300) -> subprocess.CompletedProc
 @pytest.fixture
 def two_rank_config(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
     # 40 packed rows / 2 ranks = 20 iterations per rank
-    return write_config(tmp_path / "ddp.py", tiny_qwen2_dir, tiny_sft_jsonl, max_epochs=1, lr=5e-3,
-                        save_steps=10, custom_hooks="[dict(type='engine_helpers.DumpWeightsHook')]")
+    return lockstep_config(tmp_path / "ddp.py", tiny_qwen2_dir, tiny_sft_jsonl)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("deepspeed", [None, "zero2", "zero3"])
-def test_two_processes_train_in_lockstep(tmp_path, two_rank_config, deepspeed):
-    work = tmp_path / "work"
-    args = [str(two_rank_config), "--work-dir", str(work), "--nproc-per-node", "2"]
-    if deepspeed:
-        args += ["--deepspeed", deepspeed]
-    result = run_sfttool(args)
+def test_two_processes_train_in_lockstep(two_rank_run, deepspeed):
+    _, work, result = two_rank_run(deepspeed)  # lockstep_config's run, shared with the resume tests
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     rank0 = torch.load(work / "weights_rank0.pt")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine_helpers import logged
+from engine_helpers import logged, write_config
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.hooks.dataset_info_hook import configured_max_length, dataset_stats, trained_spans
 from sfttool.utils.stop_words import cut_at_stop_words
@@ -231,22 +232,29 @@ def test_throughput_covers_the_logger_interval(tmp_path, monkeypatch):
 THROUGHPUT_HOOKS = "[dict(type=ThroughputHook), dict(type='engine_helpers.ThroughputProbe')]"
 
 
-def throughput_run(tiny_config, tmp_path, deepspeed=None):
+def throughput_run(work: Path, model_dir, data_file, deepspeed=None):
     """5 iterations of 8 packed rows, logged every iteration -> (work_dir, ThroughputProbe's record)."""
     from sfttool.engine.train import train
 
-    cfg = tiny_config(f"throughput_{deepspeed}.py", batch_size=8, max_epochs=1, accumulative_counts=1,
-                      save_steps=100, custom_hooks=THROUGHPUT_HOOKS)
-    work_dir = train(str(cfg), work_dir=str(tmp_path / f"work_{deepspeed}"), deepspeed=deepspeed)
+    work.mkdir()
+    cfg = write_config(work / f"throughput_{deepspeed}.py", model_dir, data_file, batch_size=8, max_epochs=1,
+                       accumulative_counts=1, save_steps=100, custom_hooks=THROUGHPUT_HOOKS)
+    work_dir = train(str(cfg), work_dir=str(work / "work"), deepspeed=deepspeed)
     return work_dir, json.loads((work_dir / "throughput_probe.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def plain_throughput(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl):
+    """The throughput run without DeepSpeed, shared by the tests below."""
+    return throughput_run(tmp_path_factory.mktemp("throughput") / "plain", tiny_qwen2_dir, tiny_sft_jsonl)
+
+
 @pytest.mark.slow
-def test_each_log_line_has_its_own_iterations_throughput(tmp_path, tiny_config):
+def test_each_log_line_has_its_own_iterations_throughput(plain_throughput):
     """The logger (BELOW_NORMAL) reads the message hub after ThroughputHook wrote this
     iteration's values: trained / processed tokens per second on line i is batch i's
     trained fraction (the seconds cancel), from the first line to the last."""
-    work_dir, probe = throughput_run(tiny_config, tmp_path)
+    work_dir, probe = plain_throughput
     tokens, trained = logged(work_dir, "tokens_per_sec"), logged(work_dir, "trained_tokens_per_sec")
     assert len(tokens) == len(trained) == len(logged(work_dir)) == 5
     fractions = [probe["trained_fraction"][str(i)] for i in range(1, 6)]
@@ -255,11 +263,11 @@ def test_each_log_line_has_its_own_iterations_throughput(tmp_path, tiny_config):
 
 
 @pytest.mark.slow
-def test_zero3_counts_the_whole_model(tmp_path, tiny_config):
+def test_zero3_counts_the_whole_model(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, plain_throughput):
     """ZeRO-3 has partitioned the parameters by before_train; they count at full size."""
     pytest.importorskip("deepspeed")
-    _, plain = throughput_run(tiny_config, tmp_path)
-    _, zero3 = throughput_run(tiny_config, tmp_path, deepspeed="zero3")
+    _, plain = plain_throughput
+    _, zero3 = throughput_run(tmp_path / "zero3", tiny_qwen2_dir, tiny_sft_jsonl, deepspeed="zero3")
     assert zero3["params"] == plain["params"] > 0
 
 

@@ -70,30 +70,54 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [["--deepspeed", "zero2"], ["--nproc-per-node", "2"],
-                                    ["--nproc-per-node", "2", "--deepspeed", "zero2"]], ids=["zero2", "ddp2", "zero2x2"])
-def test_subprocess_resume_is_bit_identical(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, launch):
-    """The same under DeepSpeed ZeRO-2 (its strategy skips mmengine's checkpoint
-    hooks; the RNG states travel in the message hub), and with two processes,
-    DDP and ZeRO-2 (each rank's data position and dropout stream must come back;
-    rank 0 alone writes the message hub, so the states are gathered to it)."""
-    from engine_helpers import write_config
+def test_deepspeed_resume_is_bit_identical(tmp_path, tiny_config):
+    """The same under DeepSpeed ZeRO-2 (its strategy skips mmengine's checkpoint hooks; the RNG
+    states travel in the message hub)."""
+    from sfttool.engine.train import train
+
+    cfg = tiny_config(max_epochs=0.5, save_steps=12)
+    full = train(str(cfg), work_dir=str(tmp_path / "full"), deepspeed="zero2")
+    stop = {"custom_hooks": [dict(type="engine_helpers.StopAfterIter", n=12)]}
+    with pytest.raises(Interrupted):
+        train(str(cfg), work_dir=str(tmp_path / "resumed"), deepspeed="zero2", cfg_options=stop)
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("iter_*")) == ["iter_12.pth"]
+    assert (tmp_path / "resumed" / "iter_12.pth").is_dir()  # DeepSpeed's checkpoint, a folder
+    resumed = train(str(cfg), work_dir=str(tmp_path / "resumed"), deepspeed="zero2", resume="auto")
+    assert "Resuming at iteration 12" in sorted(resumed.glob("*/*.log"))[-1].read_text()
+
+    a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deepspeed", [None, "zero2"], ids=["ddp2", "zero2x2"])
+def test_two_process_resume_is_bit_identical(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, two_rank_run, deepspeed):
+    """With two processes, DDP and ZeRO-2: each rank's data position and dropout stream must come
+    back (rank 0 alone writes the message hub, so the states are gathered to it). The uninterrupted
+    run is the lockstep test's (20 iterations per rank, checkpoints every 10)."""
+    from engine_helpers import lockstep_config, two_ranks
+
+    go, full, result = two_rank_run(deepspeed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stop = lockstep_config(tmp_path / "stop.py", tiny_qwen2_dir, tiny_sft_jsonl,
+                           custom_hooks="dict(type='engine_helpers.StopAfterIter', n=10)")
+    _assert_stopped_and_resumed_equal(full, go, stop, tmp_path / "resumed", two_ranks(deepspeed), 10)
+
+
+def _assert_stopped_and_resumed_equal(full, go, stop, work, launch: list[str], stop_at: int) -> None:
+    """``stop`` fails after iteration ``stop_at`` (its checkpoint); ``go --resume`` in the same work
+    dir then ends with the adapter of the uninterrupted run in ``full``, bit for bit."""
     from test_distributed import run_sfttool
 
-    stop_at = 6 if "--nproc-per-node" in launch else 12  # two ranks: half the iterations each
-    go = write_config(tmp_path / "go.py", tiny_qwen2_dir, tiny_sft_jsonl, max_epochs=0.5, save_steps=stop_at)
-    stop = write_config(tmp_path / "stop.py", tiny_qwen2_dir, tiny_sft_jsonl, max_epochs=0.5, save_steps=stop_at,
-                        custom_hooks=f"[dict(type='engine_helpers.StopAfterIter', n={stop_at})]")
-    full = run_sfttool([str(go), "--work-dir", str(tmp_path / "full"), *launch])
-    assert full.returncode == 0, full.stderr[-3000:]
-    assert run_sfttool([str(stop), "--work-dir", str(tmp_path / "resumed"), *launch]).returncode == 1
-    result = run_sfttool([str(go), "--work-dir", str(tmp_path / "resumed"), *launch, "--resume"])
+    assert run_sfttool([str(stop), "--work-dir", str(work), *launch]).returncode == 1
+    result = run_sfttool([str(go), "--work-dir", str(work), *launch, "--resume"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Resuming at iteration {stop_at}" in result.stdout + result.stderr
 
-    a = load_file(tmp_path / "full" / "hf_adapter" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "hf_adapter" / "adapter_model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(work / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_rng_states_of_more_ranks_than_this_run_restore_rank_0s_with_a_warning():

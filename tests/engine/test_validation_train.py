@@ -135,8 +135,9 @@ def test_two_processes_validate_like_one(tmp_path, tiny_config):
     cfg = validation_config(tiny_config, lr=1e-30, val_interval=4, save_steps=100, dropout=0.0)
     result = run_sfttool([str(cfg), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    one = train(str(cfg), work_dir=str(tmp_path / "one"))
+    one = train(str(cfg), work_dir=str(tmp_path / "one"), max_steps=4)  # its first validation is the reference
     two = val_records(tmp_path / "two")
     assert [r["step"] for r in two] == [4, 8, 12, 16, 19]  # 37 rows / 2 ranks = 19 iterations
+    assert [r["step"] for r in val_records(one)][:1] == [4]
     assert [r["val/loss"] for r in two] == pytest.approx([r["val/loss"] for r in val_records(one)][:1] * 5,
                                                          rel=1e-9)

@@ -1,5 +1,5 @@
-"""A tiny LoRA training config and a way to run `sfttool train` in a subprocess
-(faults such as signals and kill -9 need a process of their own)."""
+"""A tiny LoRA training config and two ways to run `sfttool train`: in a subprocess (faults such
+as signals, kill -9 and process-wide limits need a process of their own) or in this process."""
 from __future__ import annotations
 
 import os
@@ -74,6 +74,21 @@ def train_cmd(config: Path, work_dir: Path, *args: str) -> list[str]:
 def run_train(config: Path, work_dir: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(config, work_dir, *args), env=train_env(**env), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def train_in_process(config: Path, work_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`sfttool train` in this process (for runs no fault is injected into from outside): the
+    exit code and terminal output as ``run_train`` gives them, without a process start-up."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from sfttool.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["train", str(config), "--work-dir", str(work_dir), *args])
+    crash = result.exc_info if result.exception and not isinstance(result.exception, SystemExit) else None
+    stderr = result.stderr + ("".join(traceback.format_exception(*crash)) if crash else "")
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, stderr)
 
 
 def final_weights(work_dir: Path, it: int) -> dict:

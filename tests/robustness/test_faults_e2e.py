@@ -1,7 +1,7 @@
 """Each fault of a real run, injected into `sfttool train` on CPU with a tiny LoRA model.
 
-The runs are subprocesses: signals, kill -9 and process-wide limits need a
-process of their own. Every run trains 8 iterations (accumulation 2, so 4
+Runs a fault is injected into from outside (signals, kill -9, process-wide limits,
+several ranks) are subprocesses; the others run in this process. Every run trains 8 iterations (accumulation 2, so 4
 optimizer steps) and checkpoints every 4 iterations unless a test says
 otherwise; `reference` is the uninterrupted run resumed runs must equal.
 """
@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from robustness_runs import assert_same_weights, final_weights, run_train, train_cmd, train_env, write_config
+from robustness_runs import (assert_same_weights, final_weights, run_train, train_cmd, train_env, train_in_process,
+                             write_config)
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 def reference(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl) -> dict:
     tmp = tmp_path_factory.mktemp("reference")
     config = write_config(tmp / "cfg.py", tiny_qwen2_dir, tiny_sft_jsonl)
-    result = run_train(config, tmp / "work")
+    result = train_in_process(config, tmp / "work")
     assert result.returncode == 0, result.stderr[-3000:]
     return final_weights(tmp / "work", 8)
 
@@ -45,7 +46,7 @@ def test_sigterm_saves_at_the_step_boundary_then_resume_equals_uninterrupted(rob
     assert f"sfttool train {config} --work-dir {work} --resume" in log
     assert _checkpoints(work) == ["iter_4.pth", "iter_6.pth"]
 
-    resumed = run_train(config, work, "--resume")
+    resumed = train_in_process(config, work, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming at iteration 6" in resumed.stdout + resumed.stderr
     assert_same_weights(final_weights(work, 8), reference)
@@ -62,7 +63,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_newest_complete_one(ro
     assert _checkpoints(work) == ["iter_4.pth", "iter_8.pth.tmp"]      # the half-done save keeps its temp name
     assert final_weights(work, 4)                                        # the previous one loads
 
-    resumed = run_train(config, work, "--resume")
+    resumed = train_in_process(config, work, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming at iteration 4" in resumed.stdout + resumed.stderr
     assert _checkpoints(work) == ["iter_4.pth", "iter_8.pth"]
@@ -98,7 +99,7 @@ def test_failed_save_reports_path_and_os_error_and_keeps_the_previous_checkpoint
 def test_a_few_nan_steps_are_skipped_and_counted(robust_config, tmp_path):
     config = robust_config(custom_hooks="[dict(type='robustness_helpers.NaNLossAt', iters=[3])]")
     work = tmp_path / "work"
-    result = run_train(config, work)
+    result = train_in_process(config, work)
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert ("non-finite loss at iteration 4: skipped the optimizer step (1 in a row, 1 in total, "
@@ -112,7 +113,7 @@ def test_nan_steps_in_a_row_stop_the_run_with_a_clear_message(robust_config, tmp
     config = robust_config(max_iters=12, optim_extra=", max_consecutive_nonfinite=2",
                            custom_hooks="[dict(type='robustness_helpers.NaNLossAt', from_iter=5)]")
     work = tmp_path / "work"
-    result = run_train(config, work)
+    result = train_in_process(config, work)
     assert result.returncode == 1
     assert ("Error: training stopped at iteration 8: 2 optimizer steps in a row had a non-finite (NaN/inf) "
             "loss.") in result.stderr
@@ -124,7 +125,7 @@ def test_nan_steps_in_a_row_stop_the_run_with_a_clear_message(robust_config, tmp
 def test_under_deepspeed_nonfinite_steps_are_skipped_by_deepspeed_counted_and_stop_the_run(robust_config, tmp_path):
     config = robust_config(max_iters=12, optim_extra=", max_consecutive_nonfinite=2",
                            custom_hooks="[dict(type='robustness_helpers.NaNLossAt', iters=[3], from_iter=9)]")
-    result = run_train(config, tmp_path / "work", "--deepspeed", "zero2")
+    result = train_in_process(config, tmp_path / "work", "--deepspeed", "zero2")
     log = result.stdout + result.stderr
     assert result.returncode == 1, log[-3000:]
     assert "non-finite loss at iteration 4: DeepSpeed skipped the step (1 in a row, 1 in total" in log
@@ -203,7 +204,7 @@ def test_killed_preprocessing_leaves_no_usable_cache_and_the_next_run_rebuilds(r
     assert len(entries) == 1 and entries[0].startswith(".") and ".tmp-" in entries[0]   # only the temp folder
 
     # 3. the next run rebuilds, trains, and leaves a complete entry; the one after reuses it
-    rebuilt = run_train(config, work)
+    rebuilt = train_in_process(config, work)
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     log = "".join(p.read_text() for p in work.rglob("*.log"))  # the data's INFO lines are in the run's log file
     assert "Dataset: cached at" in log and "reusing the processed dataset" not in log
@@ -211,6 +212,6 @@ def test_killed_preprocessing_leaves_no_usable_cache_and_the_next_run_rebuilds(r
     assert len(complete) == 1 and (complete[0] / "sfttool_report.json").exists()
     assert [p for p in cache.iterdir() if p.name.startswith(".")] == []  # the killed run's temp folder is gone
 
-    reused = run_train(config, tmp_path / "work2")
+    reused = train_in_process(config, tmp_path / "work2")
     assert reused.returncode == 0, reused.stderr[-3000:]
     assert f"reusing the processed dataset cached at {complete[0]}" in next((tmp_path / "work2").rglob("*.log")).read_text()
