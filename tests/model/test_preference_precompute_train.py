@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_preference_distributed import _output, pairs_jsonl, run_sfttool, write  # noqa: E402,F401
+from test_preference_distributed import (_output, pairs_jsonl, resume_from_the_middle, run_sfttool,  # noqa: E402,F401
+                                         write)
 
 PRECOMPUTE = {"model.precompute_ref_log_probs": True}
 
@@ -50,15 +51,10 @@ def test_two_process_zero3_full_finetune_with_precomputed_reference_resumes_bit_
         tmp_path, tiny_qwen2_dir, pairs_jsonl):
     launch = ["--nproc-per-node", "2", "--deepspeed", "zero3", "--cfg-options", "model.precompute_ref_log_probs=True"]
     go = write(tmp_path / "go.py", tiny_qwen2_dir, pairs_jsonl, lora=False)
-    stop = write(tmp_path / "stop.py", tiny_qwen2_dir, pairs_jsonl, lora=False,
-                 custom_hooks="[dict(type='engine_helpers.StopAfterIter', n=4)]")
     full = run_sfttool([str(go), "--work-dir", str(tmp_path / "full"), *launch], timeout=900)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     assert "Reference log-probs: 16 pairs in 16 rows in" in _output(full, tmp_path / "full")
-    assert run_sfttool([str(stop), "--work-dir", str(tmp_path / "resumed"), *launch], timeout=900).returncode == 1
-    result = run_sfttool([str(go), "--work-dir", str(tmp_path / "resumed"), *launch, "--resume"], timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Resuming at iteration 4" in _output(result, tmp_path / "resumed")
+    resume_from_the_middle(go, tmp_path / "full", tmp_path / "resumed", launch)
     a, b = weights(tmp_path / "full"), weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(k.startswith("ref_llm") for k in a)
