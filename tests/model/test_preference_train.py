@@ -49,7 +49,7 @@ def demo_copy(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, demo_copy):
     work = tmp_path_factory.mktemp("dpo_run")
-    run_cli("train", demo_copy, "--work-dir", work)
+    (work / "terminal.txt").write_text(run_cli("train", demo_copy, "--work-dir", work).output)
     return work
 
 
@@ -71,6 +71,9 @@ def test_the_demo_trains_and_logs_the_rewards(demo_run):
     assert re.search(r"Preference data: 52 rows in, 52 pairs in \d+ rows out", log)
     # The demo precomputes its reference log-probs: one pass, logged with its count and time.
     assert re.search(r"Reference log-probs: 52 pairs in \d+ rows in [\d.]+ s", log)
+    # The terminal's progress shows the reward margin beside the loss, from the first iteration.
+    progress = [line for line in (demo_run / "terminal.txt").read_text().splitlines() if line.startswith("iter ")]
+    assert progress and all(re.search(r"\| loss [\d.]+ \| margin -?[\d.]+ \| lr ", line) for line in progress)
 
 
 @pytest.mark.slow

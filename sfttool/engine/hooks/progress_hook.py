@@ -26,18 +26,27 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# Preference training's figure of progress, shown beside the loss: the reward margin (chosen minus
+# rejected), averaged over the last iterations (one iteration's pairs are too few to read).
+SHOWN_SCALARS = (("margin", "train/rewards/margins"),)
+SHOWN_WINDOW = 10
+
+
 def progress_line(done: int, total: int, loss: float | None, lr: float | None, tokens_per_s: float,
-                  eta_s: float | None, bar: bool) -> str:
-    """One progress report.
+                  eta_s: float | None, bar: bool, extra: dict | None = None) -> str:
+    """One progress report; ``extra`` adds named values after the loss.
 
     >>> progress_line(12, 80, 2.31412, 1.2e-4, 312.4, 250, bar=False)
     'iter 12/80  15% | loss 2.3141 | lr 1.2e-04 | 312 tok/s | ETA 0:04:10'
+    >>> progress_line(12, 80, 0.61, 1.2e-4, 312.4, 250, bar=False, extra={'margin': 0.4567})
+    'iter 12/80  15% | loss 0.6100 | margin 0.457 | lr 1.2e-04 | 312 tok/s | ETA 0:04:10'
     """
     fraction = done / total if total else 1.0
     shown = f"[{'#' * round(BAR_WIDTH * fraction):-<{BAR_WIDTH}}] " if bar else ""
     parts = [f"iter {done}/{total} {shown}{fraction:4.0%}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
+    parts += [f"{name} {value:.3f}" for name, value in (extra or {}).items()]
     if lr is not None:
         parts.append(f"lr {lr:.1e}")
     parts.append(f"{tokens_per_s:.0f} tok/s")
@@ -120,6 +129,7 @@ class ProgressHook(Hook):
         iterations = done - self._first_iter
         scalars = runner.message_hub.log_scalars
         loss, lr = scalars.get("train/loss"), scalars.get("train/lr")
+        extra = {name: float(scalars[key].mean(SHOWN_WINDOW)) for name, key in SHOWN_SCALARS if key in scalars}
         return progress_line(done, total, loss.current() if loss is not None else None,
                              lr.current() if lr is not None else None, self._tokens / elapsed,
-                             elapsed / iterations * (total - done), bar)
+                             elapsed / iterations * (total - done), bar, extra)
