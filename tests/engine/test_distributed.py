@@ -91,12 +91,14 @@ def launch_two_nodes(args: list[str], timeout: int = 400) -> list[subprocess.Com
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deepspeed", [None, "zero3"])
 def test_two_simulated_nodes_with_sequence_parallelism_resume_into_the_one_process_run(
-        tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+        tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, deepspeed):
     """NNODES=2 on one machine, one process per node, each row split across the two nodes
-    (sequence_parallel_size = 2): stopped after 2 optimizer steps and resumed, the run ends with the
-    weights of one process training on the whole rows, uninterrupted (which 2 processes on one node
-    with sequence_parallel_size = 2 match too: tests/parallel/test_sequence_parallel_train.py)."""
+    (sequence_parallel_size = 2), plain and under ZeRO-3 (its shards on both nodes): stopped after 2
+    optimizer steps and resumed, the run ends with the weights of one process training on the whole
+    rows, uninterrupted (which 2 processes on one node with sequence_parallel_size = 2 match too:
+    tests/parallel/test_sequence_parallel_train.py)."""
     from safetensors.torch import load_file
 
     from sfttool.engine.train import train
@@ -106,8 +108,9 @@ def test_two_simulated_nodes_with_sequence_parallelism_resume_into_the_one_proce
     split = tmp_path / "sp.py"
     split.write_text(whole.read_text().replace("seed = 7\n", "seed = 7\nsequence_parallel_size = 2\n"))
     nodes = tmp_path / "nodes"  # one folder both nodes see, as a shared filesystem
+    launch = ["--deepspeed", deepspeed] if deepspeed else []
     for extra in (["--max-steps", "2"], ["--resume"]):
-        results = launch_two_nodes([str(split), "--work-dir", str(nodes), *extra])
+        results = launch_two_nodes([str(split), "--work-dir", str(nodes), *launch, *extra])
         assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-2000:] for r in results)
         if extra[0] == "--max-steps":
             assert sorted(p.name for p in nodes.glob("iter_*")) == ["iter_4.pth"]
