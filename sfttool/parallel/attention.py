@@ -17,18 +17,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from sfttool.model.loss import sample_ids
 from sfttool.parallel.comm import heads_to_seq, seq_to_heads
 from sfttool.parallel.groups import SequenceParallelError
 
 PREFIX = "sequence_parallel_"
 INNER = ("eager", "sdpa", "flash_attention_2")
-
-
-def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] True where a sample begins (position 0; a row always begins one)."""
-    starts = position_ids == 0
-    starts[:, 0] = True
-    return starts
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -37,7 +31,7 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     >>> packed_causal_mask(torch.tensor([[0, 1, 0]]))[0, 0].int().tolist()
     [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
     """
-    sample = sample_starts(position_ids).cumsum(-1)  # [batch, seq]
+    sample = sample_ids(position_ids)  # [batch, seq]
     same = sample[:, :, None] == sample[:, None, :]
     causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
     return (same & causal)[:, None]
@@ -49,10 +43,9 @@ def varlen_arguments(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     >>> varlen_arguments(torch.tensor([[0, 1, 2, 0, 1, 0]]))
     (tensor([0, 3, 5, 6], dtype=torch.int32), 3)
     """
-    row = position_ids.reshape(-1)
-    starts = sample_starts(row[None])[0].nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([row.numel()])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    lengths = torch.bincount(sample_ids(position_ids.reshape(1, -1))[0])  # [samples]
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    return cu, int(lengths.max())
 
 
 def eager_attention(q, k, v, mask, scaling: float, dropout: float = 0.0) -> torch.Tensor:
