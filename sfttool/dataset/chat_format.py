@@ -27,10 +27,11 @@ import json
 import re
 from typing import Any, Mapping
 
+from sfttool.dataset.chat_targets import THINK_END
 from sfttool.dataset.errors import DatasetError
 from sfttool.utils.templates import CHAT_FORMAT_FIELDS
 
-THINK_START, THINK_END = "<think>", "</think>"
+THINK_START = "<think>"  # closed by chat_targets.THINK_END, which the trained-span rules read too
 _PLACEHOLDER = re.compile(r"\{(system|content|tools|tool|name|arguments|results|reasoning|environment)\}")
 
 
