@@ -412,6 +412,49 @@ def patch_history_buffer_pickling() -> None:
     HistoryBuffer.__getstate__ = __getstate__
 
 
+def _first_free_run_folder(work_dir: str, timestamp: str) -> str:
+    """``timestamp`` if ``work_dir/timestamp`` is free, else ``timestamp_2``, ``timestamp_3`` ... (these
+    sort after it, so "the newest folder" stays the last in name order)."""
+    name, n = timestamp, 1
+    while os.path.exists(os.path.join(work_dir, name)):
+        n += 1
+        name = f"{timestamp}_{n}"
+    return name
+
+
+def patch_mmengine_unique_run_folders() -> None:
+    """mmengine 0.10.x names a run's folder (log, config copy, ``vis_data/scalars.json``) after the second
+    it started in. A run resumed within the same second as the one it continues -- a quick crash and
+    ``--resume``, a short run on a fast machine -- wrote into the earlier run's folder and appended to its
+    scalars, so its plot showed both runs as one. Give such a run the first free ``<timestamp>_<n>``.
+    Rank 0 decides and broadcasts it: on a shared disk another rank may look after rank 0 made the folder."""
+    if not _once("unique_run_folders"):
+        return
+    import torch
+    from mmengine._strategy.base import BaseStrategy
+    from mmengine.dist import broadcast, get_rank
+    from mmengine.runner import Runner
+
+    def unique(self) -> None:
+        suffix = torch.tensor(0, dtype=torch.int64)
+        if get_rank() == 0:
+            name = _first_free_run_folder(self._work_dir, self._timestamp)
+            suffix.fill_(int(name.rpartition("_")[2]) if name != self._timestamp else 0)
+        broadcast(suffix)
+        if suffix.item():
+            self._timestamp = f"{self._timestamp}_{suffix.item()}"
+
+    def wrap(setup_env):
+        @functools.wraps(setup_env)
+        def setup_env_in_a_new_folder(self, *args, **kwargs):
+            setup_env(self, *args, **kwargs)
+            unique(self)
+        return setup_env_in_a_new_folder
+
+    Runner.setup_env = wrap(Runner.setup_env)
+    BaseStrategy._setup_env = wrap(BaseStrategy._setup_env)
+
+
 def apply_training() -> None:
     """``apply_all()`` plus the runner-side patches. Kept apart because they
     import torch, mmengine's runner and deepspeed (seconds), which config
@@ -420,3 +463,4 @@ def apply_training() -> None:
     patch_mmengine_deepspeed_optimizers()
     allow_mmengine_checkpoint_globals()
     patch_history_buffer_pickling()  # keeps `getattr` off the weights_only allow-list
+    patch_mmengine_unique_run_folders()

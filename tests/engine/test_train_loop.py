@@ -1,6 +1,8 @@
 """TrainLoop: step windows, the look-ahead loss normaliser, data position."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from mmengine.optim import OptimWrapper
@@ -92,3 +94,29 @@ def test_deepspeed_applies_the_last_short_accumulation_window(tmp_path, tiny_con
     plain, ds, ds_four = adapter("plain", 5), adapter("ds", 5, "zero2"), adapter("ds4", 4, "zero2")
     assert all(torch.allclose(plain[k], ds[k], atol=1e-6, rtol=1e-5) for k in plain)
     assert not all(torch.equal(ds[k], ds_four[k]) for k in ds)  # the fifth micro-batch did move the weights
+
+
+def test_a_run_started_in_the_same_second_gets_its_own_folder(tmp_path, monkeypatch):
+    """mmengine names a run's folder after the second it started in; a resumed run started in that
+    second appended to the earlier run's log and scalars. Both runners here start at the same instant."""
+    import time
+    import types
+
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    from sfttool import compat
+
+    compat.apply_training()
+    frozen = types.SimpleNamespace(time=lambda: 1_790_000_000.0, localtime=time.localtime, strftime=time.strftime)
+    monkeypatch.setattr("mmengine.runner.runner.time", frozen)
+
+    class Nothing(BaseModel):
+        def forward(self, *args, **kwargs):
+            return {}
+
+    folders = [Runner(model=Nothing(), work_dir=str(tmp_path), experiment_name=f"same_second_{i}").log_dir
+               for i in range(3)]
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(1_790_000_000.0))
+    assert [os.path.basename(f) for f in folders] == [stamp, f"{stamp}_2", f"{stamp}_3"]
+    assert sorted(folders) == folders  # the newest is still the last by name
