@@ -60,7 +60,9 @@ def test_a_failing_rank_fails_the_command(tmp_path, tiny_qwen2_dir, tiny_sft_jso
 def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
     """The loss normaliser spans ranks: 2 ranks x micro-batch 1 train like 1 rank x
     micro-batch 2 (same rows per step; dropout off). Without it, each rank's
-    own token mean would weight rows differently."""
+    own token mean would weight rows differently. The two ranks are two simulated nodes (NNODES=2, one
+    process each, plain data parallelism); two processes on one node run the same code after torchrun's
+    rendezvous and train in lockstep (test_two_processes_train_in_lockstep)."""
     from safetensors.torch import load_file
 
     from sfttool.engine.train import train
@@ -68,8 +70,8 @@ def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir
     common = dict(max_epochs=1, lr=5e-3, dropout=0.0, save_steps=100)
     two = write_config(tmp_path / "two.py", tiny_qwen2_dir, tiny_sft_jsonl, batch_size=1, **common)
     one = write_config(tmp_path / "one.py", tiny_qwen2_dir, tiny_sft_jsonl, batch_size=2, **common)
-    result = run_sfttool([str(two), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    results = launch_two_nodes([str(two), "--work-dir", str(tmp_path / "two")])
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-2000:] for r in results)
     single = train(str(one), work_dir=str(tmp_path / "one"))
     a = load_file(tmp_path / "two" / "hf_adapter" / "adapter_model.safetensors")
     b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
