@@ -63,7 +63,8 @@ def test_train_step_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
-    proc = run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run"], tmp_path, OUT=str(tmp_path))
+    # PYTHON: this interpreter, also when the suite runs without its virtual environment activated
+    proc = run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run"], tmp_path, OUT=str(tmp_path), PYTHON=sys.executable)
     assert "tokens/s" in proc.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True and report["arch"] == "tiny"

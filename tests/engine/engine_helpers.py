@@ -174,19 +174,6 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-class FailOnRank(Hook):
-    """Raise on one rank before training: the launcher must exit non-zero."""
-
-    def __init__(self, rank: int = 1):
-        self.rank = rank
-
-    def before_train(self, runner):
-        from mmengine.dist import get_rank
-
-        if get_rank() == self.rank:
-            raise RuntimeError(f"rank {self.rank} failed on purpose")
-
-
 class ThroughputProbe(Hook):
     """Write ``work_dir/throughput_probe.json``: the parameters ThroughputHook
     counted, and each iteration's trained / processed token fraction, from its batch."""

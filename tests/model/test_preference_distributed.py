@@ -111,16 +111,19 @@ def resume_from_the_middle(config, full, work, launch: list[str]) -> None:
 @pytest.mark.parametrize("zero,lora", [("zero2", True), ("zero3", True), ("zero3", False)],
                          ids=["zero2-lora", "zero3-lora", "zero3-full"])
 def test_two_process_dpo_finishes_and_resumes_bit_exactly(tmp_path, tiny_qwen2_dir, pairs_jsonl, zero, lora):
+    """Under ZeRO-3 the run is also resumed from its middle; ZeRO-2's checkpoints resume as SFT's do
+    (tests/engine/test_resume.py), with nothing of DPO's own in them."""
     launch = ["--nproc-per-node", "2", "--deepspeed", zero]
     go = write(tmp_path / "go.py", tiny_qwen2_dir, pairs_jsonl, lora=lora)
     full = run_sfttool([str(go), "--work-dir", str(tmp_path / "full"), *launch], timeout=900)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     assert "rewards/margins" in _output(full, tmp_path / "full")
-    resume_from_the_middle(go, tmp_path / "full", tmp_path / "resumed", launch)
-
     name = "hf_adapter/adapter_model.safetensors" if lora else "hf_model/model.safetensors"
-    a, b = load_file(tmp_path / "full" / name), load_file(tmp_path / "resumed" / name)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = load_file(tmp_path / "full" / name)
+    if zero == "zero3":
+        resume_from_the_middle(go, tmp_path / "full", tmp_path / "resumed", launch)
+        b = load_file(tmp_path / "resumed" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if lora:
         assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0  # it trained
     else:

@@ -2,8 +2,6 @@
 on the whole rows: the sampler gives both ranks the same rows, the loss normaliser counts each row once."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
 sys.path.insert(0, str(ENGINE_TESTS))
 from engine_helpers import logged, write_config  # noqa: E402
+from test_distributed import run_sfttool  # noqa: E402
 
 SEQUENCE_PARALLEL = ("from sfttool.parallel.sequence import SequenceParallelSampler\n"
                      "sequence_parallel_size = {sp}\n")
@@ -26,13 +25,6 @@ def sequence_parallel_config(path: Path, sp: int, **kwargs) -> Path:
                         "sampler=dict(type=SequenceParallelSampler, shuffle=True, seed=seed)")
     path.write_text(text)
     return path
-
-
-def run_sfttool(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, "-m", "sfttool.cli.main", "train", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 # 40 packed rows of up to 128 tokens; a quarter epoch = 10 iterations = 5 optimizer steps

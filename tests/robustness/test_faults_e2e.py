@@ -142,9 +142,10 @@ def test_a_failing_rank_stops_the_others_quickly_and_is_named(robust_config, tmp
     # the run's own timeout (400 s) fails the test long before that, without timing the stop itself.
     result = run_train(config, tmp_path / "work", "--nproc-per-node", "2", timeout=400)
     log = result.stdout + result.stderr
-    assert result.returncode != 0, log[-6000:]
+    assert result.returncode == 1, log[-6000:]  # the launcher's exit code says the run failed
     assert marker.exists(), log[-3000:]
     assert "[sfttool] rank 1 of 2 failed: RuntimeError: injected failure on rank 1 at iteration 3" in log
+    assert "Error: training failed: torchrun exited with code 1" in result.stderr
     assert "Iter(train) [400/400]" not in log
 
 
