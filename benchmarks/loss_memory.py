@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from report import write_report
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trained", default="1.0,0.6", help="fractions of positions trained")
     p.add_argument("--repeats", type=int, default=3, help="alternating timed steps per case")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="memory children run this many at a time (each measures its own peak; their sum must fit "
+                        "in RAM); the timing child always runs alone")
     p.add_argument("--out", type=Path, default=RESULTS / "loss_memory.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON job for a child process
     return p.parse_args(argv)
@@ -167,7 +171,9 @@ def measure(args) -> list[dict]:
             "threads": args.threads, "repeats": args.repeats}
     rows = []
     for trained in [float(x) for x in args.trained.split(",")]:
-        memory = {case: in_child({**base, "case": case, "trained": trained, "mode": "memory"}) for case in CASES}
+        jobs = [{**base, "case": case, "trained": trained, "mode": "memory"} for case in CASES]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # threads that wait on child processes
+            memory = dict(zip(CASES, pool.map(in_child, jobs)))
         timing = in_child({**base, "trained": trained, "mode": "time"})
         for case in CASES:
             rows.append({**memory[case], **timing[case]})

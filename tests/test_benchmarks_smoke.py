@@ -83,7 +83,7 @@ def test_gpu_check_dry_run(tmp_path):
 def test_loss_memory_benchmark(tmp_path):
     out = tmp_path / "loss_memory.json"
     proc = run([sys.executable, str(BENCH / "loss_memory.py"), "--vocab", "4096", "--hidden", "32", "--length", "256",
-                "--trained", "0.6", "--repeats", "1", "--out", str(out)], tmp_path)
+                "--trained", "0.6", "--repeats", "1", "--jobs", "4", "--out", str(out)], tmp_path)
     assert "x unchunked" in proc.stdout
     report = json.loads(out.read_text())
     assert report["benchmark"] == "loss_memory" and report["setup"]["vocab"] == 4096
