@@ -172,23 +172,25 @@ class SupervisedFinetune(BaseModel):
         return RowSplit.of(position_ids, size, sequence_parallel.get_sequence_parallel_rank(),
                            sequence_parallel.get_sequence_parallel_group())
 
-    def _forward_kwargs(self, data: dict) -> tuple[dict, bool, Any]:
-        """The LLM's keyword arguments, whether the batch was flattened, and the row split (or None).
-        Under sequence parallelism the LLM gets this rank's slice, and attention the whole rows' split."""
+    def _forward_kwargs(self, data: dict, split: Any = None) -> tuple[dict, bool, Any]:
+        """The LLM's keyword arguments, whether the batch was flattened, and the row split (or None;
+        ``split``: the one the caller already made for this batch). Under sequence parallelism the LLM
+        gets this rank's slice, and attention the whole rows' split."""
         input_ids, position_ids, flat = self._inputs(data)
         kwargs = dict(attention_mask=None, use_cache=False)
-        split = self._row_split(position_ids)
+        if split is None:
+            split = self._row_split(position_ids)
         if split is not None:
             input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
             kwargs["sequence_parallel"] = split
         return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
 
-    def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None) -> torch.Tensor:
+    def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:
         """The logits of ``self.llm`` (or of another ``llm``, e.g. a frozen reference copy, run
         through the same packed forward). Under sequence parallelism: this rank's slice, with
         ``logits_to_keep`` already laid out as the slice."""
         llm = self.llm if llm is None else llm
-        kwargs, flat, split = self._forward_kwargs(data)
+        kwargs, flat, split = self._forward_kwargs(data, split)
         if flat and split is None and isinstance(logits_to_keep, torch.Tensor):
             logits_to_keep = logits_to_keep.reshape(1, -1)  # same row-major order of kept positions
         use_keep = not _is_zero(logits_to_keep) and _accepts_logits_to_keep(llm)
@@ -199,10 +201,10 @@ class SupervisedFinetune(BaseModel):
             logits = logits.view(*data["input_ids"].shape, -1)
         return logits
 
-    def _hidden_states(self, decoder: torch.nn.Module, data: dict) -> torch.Tensor:
+    def _hidden_states(self, decoder: torch.nn.Module, data: dict, split: Any = None) -> torch.Tensor:
         """The decoder's last hidden states [batch, seq, hidden]: the LLM without its head (under
         sequence parallelism this rank's slice, laid out as ``RowSplit.local``)."""
-        kwargs, _, split = self._forward_kwargs(data)
+        kwargs, _, split = self._forward_kwargs(data, split)
         hidden = decoder(**kwargs).last_hidden_state
         return hidden if split is not None else hidden.view(*data["input_ids"].shape, -1)
 
@@ -294,12 +296,13 @@ class SupervisedFinetune(BaseModel):
         weights = None if weights is None else weights[keep]
         parts = self._lm_parts()
         if parts is None:
-            logits = self._run_llm(data, logits_to_keep=keep)
+            logits = self._run_llm(data, logits_to_keep=keep, split=split)
             token_loss = torch.nn.functional.cross_entropy(
                 (logits[keep] if logits.dim() == 3 else logits).float(), targets[keep], reduction="none")
             total = token_loss.sum() if weights is None else (token_loss * weights).sum()
         else:
-            total = self._head_loss(parts, self._hidden_states(parts.decoder, data)[keep], targets[keep], weights)
+            total = self._head_loss(parts, self._hidden_states(parts.decoder, data, split)[keep], targets[keep],
+                                    weights)
         total = sequence_parallel.reduce_sequence_parallel_loss(total, split.group)
         normalizer = data.get("loss_normalizer")
         if normalizer is None:  # as the train loop's: the rows' units once over the group's ranks
