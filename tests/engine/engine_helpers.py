@@ -68,6 +68,10 @@ param_scheduler = [
 ]
 train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 
+'''
+
+# The runtime part (PART 5 of a built-in config), shared by the test configs.
+RUNTIME = '''
 custom_hooks = {custom_hooks}
 default_hooks = dict(
     timer=dict(type=IterTimerHook),
@@ -80,6 +84,7 @@ env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method='fork', opencv
 log_processor = dict(by_epoch=False)
 randomness = dict(seed=seed, deterministic=False)
 '''
+TINY_CONFIG += RUNTIME
 
 LORA = "dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', task_type='CAUSAL_LM')"
 QUANT = (", quantization_config=dict(type='transformers.BitsAndBytesConfig', load_in_4bit=True, "

@@ -16,6 +16,7 @@ ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
 if str(ENGINE_TESTS) not in sys.path:
     sys.path.insert(0, str(ENGINE_TESTS))
 
+from engine_helpers import LORA, RUNTIME  # noqa: E402
 from test_distributed import run_sfttool  # noqa: E402
 
 from sfttool import assets  # noqa: E402
@@ -53,18 +54,7 @@ optim_wrapper = dict(type=AmpOptimWrapper, dtype='bfloat16', loss_scale='dynamic
                      clip_grad=dict(max_norm=1, error_if_nonfinite=False), accumulative_counts=2)
 param_scheduler = [dict(type=ConstantLR, factor=1.0, by_epoch=False, begin=0)]
 train_cfg = dict(type=TrainLoop, max_epochs=1)
-custom_hooks = {custom_hooks}
-default_hooks = dict(
-    timer=dict(type=IterTimerHook),
-    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=1),
-    param_scheduler=dict(type=ParamSchedulerHook),
-    sampler_seed=dict(type=DistSamplerSeedHook),
-    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=4, max_keep_ckpts=2))
-env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
-               dist_cfg=dict(backend='nccl'))
-log_processor = dict(by_epoch=False)
-randomness = dict(seed=seed, deterministic=False)
-'''
+''' + RUNTIME
 
 
 @pytest.fixture
@@ -82,10 +72,9 @@ def pairs_jsonl(tmp_path):
 
 
 def write(path, model_dir, data_file, custom_hooks="[]", batch_size=1, dropout=0.1, lora=True):
-    adapter = (f"dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', "
-               "task_type='CAUSAL_LM')") if lora else "None"
     path.write_text(DPO_CONFIG.format(model_dir=str(model_dir), data_file=str(data_file), custom_hooks=custom_hooks,
-                                      batch_size=batch_size, lora=adapter))
+                                      batch_size=batch_size, lora=LORA.format(dropout=dropout) if lora else "None",
+                                      save_steps=4, keep=2))
     return path
 
 
