@@ -283,21 +283,26 @@ def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], te
 
 
 def encode_template_batch(batch: dict[str, list], indices: Sequence[int], tokenizer, max_length: int,
-                          input_ids_with_output: bool = True, source: str | None = None, **_: Any) -> dict:
-    """``encode_batch`` in template mode (one sample per row), its columns built by ``numpy_columns``."""
+                          input_ids_with_output: bool = True, source: str | None = None, carry: Sequence[str] = (),
+                          **_: Any) -> dict:
+    """``encode_batch`` in template mode (one sample per row), its columns built by ``numpy_columns``. When the
+    only input column kept is ``ROW_COLUMN`` (packing), the batch comes back as one Arrow table
+    (``arrow_columns``), which ``datasets`` writes as it is."""
     from sfttool.dataset.encode import check_batch, template_pieces, tokenize_pieces
     numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)
     conversations = batch["conversation"]
     check_batch(conversations, numbers, source, input_ids_with_output)
     rows_ids = tokenize_pieces([template_pieces(c, input_ids_with_output) for c in conversations], tokenizer)
+    if list(carry) == [ROW_COLUMN]:
+        return arrow_columns(rows_ids, conversations, max_length, numbers)
     return {**numpy_columns(rows_ids, conversations, max_length), ROW_COLUMN: numbers}
 
 
-def numpy_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list, max_length: int) -> dict:
-    """``encode_batch``'s columns (``_truncated_columns``) as numpy arrays, computed over all tokens of the
-    batch at once: each token is read once into numpy, instead of being sliced, counted and converted to
-    Arrow row by row (``datasets`` writes a list of numpy arrays as one Arrow list array). ``input_ids`` and
-    ``labels`` are cut at ``max_length``; the counts are ``_truncated_columns``'."""
+def flat_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list, max_length: int) -> dict:
+    """``encode_batch``'s columns (``_truncated_columns``) computed over all tokens of the batch at once: each
+    token is read once into numpy, instead of being sliced, counted and converted to Arrow row by row.
+    ``input_ids`` and ``labels`` are the batch's tokens kept at ``max_length``, flat ([kept tokens]); the
+    counts are ``_truncated_columns``' ([rows])."""
     import itertools
 
     from sfttool.dataset.encode import first_trained
@@ -314,10 +319,29 @@ def numpy_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: li
     first[rows_trained] = position[trained][at]
     for i in np.flatnonzero(first < 0):  # no trained token: why not
         first[i] = first_trained([], conversations[i])
-    length = np.minimum(full, max_length)
-    cuts = np.cumsum(length)[:-1]
-    split = (lambda flat: np.split(flat, cuts)) if n else (lambda flat: [])  # np.split of nothing gives one part
-    return {"input_ids": split(ids[kept]), "labels": split(labels[kept]),
-            "length": length.astype(np.int32), "num_tokens": full.astype(np.int32),
+    return {"input_ids": ids[kept], "labels": labels[kept],
+            "length": np.minimum(full, max_length).astype(np.int32), "num_tokens": full.astype(np.int32),
             "num_trained": np.bincount(row[trained & kept], minlength=n).astype(np.int32),
             "first_trained": first.astype(np.int32)}
+
+
+def numpy_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list, max_length: int) -> dict:
+    """``flat_columns`` with ``input_ids`` and ``labels`` split into one numpy array per row (``datasets``
+    writes a list of numpy arrays as one Arrow list array)."""
+    columns = flat_columns(rows_ids, conversations, max_length)
+    cuts = np.cumsum(columns["length"])[:-1]
+    for name in ("input_ids", "labels"):  # np.split of nothing gives one part
+        columns[name] = np.split(columns[name], cuts) if len(rows_ids) else []
+    return columns
+
+
+def arrow_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list, max_length: int,
+                  row_numbers: Sequence[int]):
+    """``flat_columns`` as one Arrow table with ``ROW_COLUMN``: the token columns are list arrays over the flat
+    tokens and their offsets, with no array per row."""
+    import pyarrow as pa
+    columns = flat_columns(rows_ids, conversations, max_length)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(columns["length"], dtype=np.int64)]).astype(np.int32))
+    for name in ("input_ids", "labels"):
+        columns[name] = pa.ListArray.from_arrays(offsets, pa.array(columns[name]))
+    return pa.table({**columns, ROW_COLUMN: pa.array(np.asarray(row_numbers, np.int64))})
