@@ -114,8 +114,10 @@ def _write_tables(files: list[str], target: Path) -> bool:
     from datasets import Features
     from datasets.arrow_writer import ArrowWriter
     from datasets.packaged_modules.json.json import has_agent_traces_markers
+    from sfttool.dataset.stages import gc_paused
     reader, sources = _reader(files)
-    tables = [table for _, table in reader._generate_tables(**sources, allow_full_read=False)]
+    with gc_paused():  # the reader parses each chunk's rows into Python objects to find mixed types
+        tables = [table for _, table in reader._generate_tables(**sources, allow_full_read=False)]
     if not tables or any(t.schema != tables[0].schema for t in tables[1:]):
         return False
     features = Features.from_arrow_schema(tables[0].schema)

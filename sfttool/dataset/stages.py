@@ -12,6 +12,8 @@ Each stage reports by cause what it dropped or changed, naming the rows
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -269,6 +271,22 @@ def pretokenized_table(dataset, max_length: int, report: PipelineReport):
 # ---------------------------------------------------------------------------
 # Template + encode in one pass.
 
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for a block that builds tens of thousands of lists and dicts
+    and makes no reference cycles: reference counting frees them all, while each collection their
+    allocations would trigger walks every young object, and the oldest generation's walks the whole heap
+    (0.2 s per 2,000 generated conversations, a tenth of the tokenizer's time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@gc_paused()
 def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], template_map_fn: Callable | None,
                               source: str | None = None, **encode_args: Any) -> dict:
     """``encode_batch`` on the batch after ``template_map_fn`` (when given): one ``datasets.map`` where two
