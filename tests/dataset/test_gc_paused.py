@@ -39,3 +39,16 @@ def test_the_encode_batch_runs_with_it_paused(tiny_tokenizer):
     batch = {"conversation": [[{"input": "q", "output": "a"}]], ROW_COLUMN: [0]}
     out = template_and_encode_batch(batch, [0], template_map_fn, tokenizer=tiny_tokenizer, max_length=8)
     assert seen == [False] and gc.isenabled() and list(out["length"]) == [len(out["input_ids"][0])]
+
+
+def test_the_stream_encodes_each_chunk_with_it_paused(tiny_tokenizer):
+    from sfttool.dataset.report import PipelineReport
+    from sfttool.dataset.streaming import StreamingEncoder
+    seen = []
+
+    def template_map_fn(row):
+        seen.append(gc.isenabled())
+        return {"conversation": [{"input": "q", "output": "a", "need_eos_token": True}]}
+    encoder = StreamingEncoder(tiny_tokenizer, 8, template_map_fn=template_map_fn)
+    samples = encoder([(0, {"conversation": [{"input": "q", "output": "a"}]})], None, PipelineReport())
+    assert seen == [False] and gc.isenabled() and len(samples) == 1
