@@ -255,9 +255,10 @@ def content_fingerprint(table) -> str:
     Left to itself, ``datasets.Dataset(table)`` fingerprints an in-memory table
     by pickling all of it: a transient copy of about three times the packed data,
     which was the largest allocation of the whole pipeline. Equal content built
-    the same way gives an equal fingerprint, which is what its caching needs."""
-    import hashlib
-    digest = hashlib.blake2b(digest_size=16)
+    the same way gives an equal fingerprint, which is what its caching needs. xxh3 (a ``datasets``
+    dependency, its own fingerprints' hash) reads the buffers ten times faster than blake2b."""
+    import xxhash
+    digest = xxhash.xxh3_128()
     for name in table.column_names:
         digest.update(name.encode())
         for chunk in table[name].chunks:
