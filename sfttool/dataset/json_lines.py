@@ -42,8 +42,10 @@ def json_lines_files(dataset_cfg: Any) -> tuple[list[str], str] | None:
     name = (type_ if isinstance(type_, str) else getattr(type_, "__name__", "")).rsplit(".", 1)[-1]
     allowed = _DATA_PATH_KEYS if name == "load_data_path" else _DATASET_KEYS
     data_files = dataset_cfg.get("data_files")
-    if set(dataset_cfg) - allowed or (name != "load_data_path" and data_file_list(data_files) != files):
-        return None  # other arguments, or a glob or compressed file datasets resolves its own way
+    if name != "load_data_path" and (dataset_cfg.get("path") != "json" or data_file_list(data_files) != files):
+        return None  # a glob or an archive datasets resolves its own way, or a builder name it may refuse
+    if set(dataset_cfg) - allowed:
+        return None  # arguments only load_dataset understands
     if any(Path(f).suffix.lower() in (".gz", ".bz2", ".xz") for f in files):
         return None
     split = next(iter(data_files)) if isinstance(data_files, dict) else "train"

@@ -102,6 +102,7 @@ def test_what_it_does_not_read_is_left_to_load_dataset(tmp_path):
                 dict(type=load_dataset, path="json", data_files=lines, field="rows"),
                 dict(type=load_dataset, path="json", data_files={"train": lines, "test": lines}),
                 dict(type=load_dataset, path="csv", data_files=lines),
+                dict(type=load_dataset, path="jsonl", data_files=lines),
                 dict(type=load_dataset, path="json", data_files=lines, split="train[:2]")):
         assert load_json_config(cfg, "train") is None, cfg
     assert json_lines_files(dict(type=load_dataset, path="json", data_files={"val": lines})) == ([lines], "val")
