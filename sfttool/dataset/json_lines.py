@@ -66,7 +66,7 @@ def load_json_config(dataset_cfg: Any, split: str):
 
 def load_json_lines(files: list[str], split: str = "train"):
     """``load_dataset('json', data_files=files, split=split)``'s dataset, or None when the files need it."""
-    from datasets import Dataset, DatasetInfo
+    from datasets import Dataset, DatasetInfo, Features
     from datasets.table import MemoryMappedTable
     key = _content_key(files, split)
     target = _cache_dir() / "sfttool_json" / key / f"json-{split}.arrow"
@@ -78,7 +78,6 @@ def load_json_lines(files: list[str], split: str = "train"):
         if not written:
             return None
     table = MemoryMappedTable.from_file(str(target))
-    from datasets import Features
     features = Features.from_arrow_schema(table.schema)
     return Dataset(table, info=DatasetInfo(features=features), split=split, fingerprint=key)
 
