@@ -134,3 +134,14 @@ def test_pipeline_output_equals_the_load_dataset_one(tmp_path, tiny_tokenizer, p
     assert mine.to_dict() == reference.to_dict()
     assert {k: v for k, v in vars(mine_report).items() if k != "stages"} == \
         {k: v for k, v in vars(reference_report).items() if k != "stages"}
+
+
+def test_data_its_reader_refuses_fails_as_load_dataset_fails(tmp_path, tiny_tokenizer):
+    from sfttool.dataset.resolve import resolve_dataset
+    path = write_jsonl(tmp_path / "d.jsonl", FILES["field_changes_type"], blank_lines=True)
+    cfg = dict(type=load_dataset, path="json", data_files=path)
+    with pytest.raises(Exception) as before:
+        resolve_dataset(cfg, "train")
+    with pytest.raises(Exception) as now:
+        run_pipeline(cfg, tiny_tokenizer, 64, template_map_fn=QWEN)
+    assert type(now.value) is type(before.value) and str(now.value) == str(before.value)
