@@ -19,7 +19,8 @@ QWEN = template_map_fn_factory("qwen_chat")
 
 FILES = {
     # turns of differing keys: datasets 5 reads them as Json
-    "mixed_turn_keys": [{"conversation": [{"system": "s", "input": "q", "output": "a"}, {"input": "q2", "output": "b"}]},
+    "mixed_turn_keys": [{"conversation": [{"system": "s", "input": "q", "output": "a"},
+                                          {"input": "q2", "output": "b"}]},
                         {"conversation": [{"input": "q", "output": "a", "output_with_loss": False}]}],
     "one_struct": [{"conversation": [{"input": "q", "output": "a"}], "id": i, "score": i / 3} for i in range(5)],
     "nulls_nested_unicode": [{"conversation": [{"input": "héllo 🙂 \u4e2d", "output": "ok"}], "meta": None,
