@@ -11,7 +11,9 @@ input and output, ``template_map_fn_factory('qwen_chat')``):
   (one pass), packed and unpacked, default settings, from the JSON file to
   the last packed row, tokens/s and the fraction of the limit;
 - the same per CPU second (the process's threads and its map processes), the
-  figure that holds on a loaded machine, where wall-clock time does not.
+  figure that holds on a loaded machine, where wall-clock time does not;
+- the tokenizer calls' share of each pipeline run's CPU time, measured in the
+  same process (``tokenizer_cpu_share``).
 
 Each measurement runs in a fresh process pinned to 1, 2, ... cores
 (``os.sched_setaffinity``), with fresh caches, so nothing is reused.
@@ -105,6 +107,7 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
     tok = AutoTokenizer.from_pretrained(tok_dir)
     kind, _, layout = case.partition("_")
     texts = texts_to_tokenize(data_file) if kind == "limit" else None  # the limit times the tokenizer alone
+    tokenizer_cpu = _time_tokenizer_calls()
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     if kind == "limit":
         tokens = run_limit(tok, texts)
@@ -114,8 +117,28 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
         tokens = run_stream(tok, data_file, max_length, layout == "packed")
     seconds = time.perf_counter() - start
     cpu = max(_cpu_seconds() - cpu_start, 0.01)  # the clock's tick: a tiny run may read 0
+    share = {} if kind == "limit" else {"tokenizer_cpu_share": round(tokenizer_cpu[0] / cpu, 3)}
     return {"case": case, "cores": cores, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
-            "tokens": tokens, "tokens_per_s": round(tokens / seconds), "tokens_per_cpu_s": round(tokens / cpu)}
+            "tokens": tokens, "tokens_per_s": round(tokens / seconds), "tokens_per_cpu_s": round(tokens / cpu),
+            **share}
+
+
+def _time_tokenizer_calls() -> list[float]:
+    """Count the CPU time of the pipeline's tokenizer calls (``encode.batch_token_ids``): their share of the
+    run's CPU, measured in the same process and so stretched alike by the machine's load, is the fraction
+    that single runs of the limit and the pipeline, seconds apart, estimate with more noise. Map processes
+    would not be counted (one process at these sizes)."""
+    from sfttool.dataset import encode
+    spent, inner = [0.0], encode.batch_token_ids
+
+    def timed(*args, **kwargs):
+        start = _cpu_seconds()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += _cpu_seconds() - start
+    encode.batch_token_ids = timed
+    return spent
 
 
 def _cpu_seconds() -> float:
@@ -139,7 +162,8 @@ def main(argv=None) -> int:
     with open(data_file, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
     results = []
-    print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8}")
+    print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "
+          f"{'tokenizer':>9}")
     for n in cores:
         limit = None
         for case in CASES:
@@ -149,7 +173,8 @@ def main(argv=None) -> int:
             r["cpu_fraction_of_limit"] = round(r["tokens_per_cpu_s"] / limit["tokens_per_cpu_s"], 3)
             results.append(r)
             print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%} "
-                  f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%}", flush=True)
+                  f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} "
+                  f"{r.get('tokenizer_cpu_share', 1.0):9.1%}", flush=True)
     write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
                  load_average=[round(x, 2) for x in os.getloadavg()], results=results)
     return 0

@@ -158,21 +158,22 @@ def labels_from_spans(ids: list[int], offsets: list[tuple[int, int]], spans: lis
     return labels
 
 
-def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """Tokenize every text piece of every row in one call; return (input_ids, labels) per row."""
+def piece_ids(rows: list[list[Piece]], tokenizer) -> list[list[tuple[list[int], bool]]]:
+    """Each row's pieces as ``(token ids, trained)``, every text piece of every row tokenized in one call.
+    A BOS piece before a text that starts with the BOS token is left out (the template already starts
+    with it: keep one)."""
     bos, eos = bos_eos_ids(tokenizer)
     texts = [text for pieces in rows for kind, text, _ in pieces if kind == "text" and text]
     encoded = iter(batch_token_ids(tokenizer, texts) if texts else [])
     out = []
     for pieces in rows:
-        input_ids: list[int] = []
-        labels: list[int] = []
+        parts: list[tuple[list[int], bool]] = []
         after_bos = False
         for kind, text, trained in pieces:
             if kind == "text":
                 ids = next(encoded) if text else []
-                if after_bos and ids[:1] == bos:  # the template already starts with BOS: keep one
-                    del input_ids[-1], labels[-1]
+                if after_bos and ids[:1] == bos:
+                    parts.pop()
             elif kind == "bos":
                 ids = bos
             else:
@@ -180,9 +181,21 @@ def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int],
                 if not eos:
                     raise DatasetError("the tokenizer has no EOS token but the template needs one "
                                        "(need_eos_token): set tokenizer.eos_token")
+            parts.append((ids, trained))
+            after_bos = kind == "bos" and bool(bos)
+        out.append(parts)
+    return out
+
+
+def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Tokenize every text piece of every row in one call; return (input_ids, labels) per row."""
+    out = []
+    for parts in piece_ids(rows, tokenizer):
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for ids, trained in parts:
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
-            after_bos = kind == "bos" and bool(bos)
         out.append((input_ids, labels))
     return out
 

@@ -222,6 +222,12 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
     would keep the last value silently): one error counting the rows and
     naming the first few.
     """
+    from sfttool.dataset.stages import gc_paused
+    with gc_paused():  # every row is parsed into dicts and lists that reference counting frees
+        return _check_rows(path, standard, field)
+
+
+def _check_rows(path: str | Path, standard: bool | None, field: str | None) -> int:
     from sfttool.dataset.conversation import check_conversation
     kinds: dict[str, tuple[str, str]] = {}
     typed = _typed_fields()

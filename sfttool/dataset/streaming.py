@@ -34,7 +34,7 @@ from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.report import PipelineReport, count_split, log, split_lines, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
 from sfttool.dataset.stages import (check_dicts, count_ignored_fields, count_notes, drop_empty_rows,
-                                    drop_untrained_rows, map_rows, missing_conversation)
+                                    drop_untrained_rows, gc_paused, map_rows, missing_conversation)
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -146,6 +146,7 @@ class StreamingEncoder:
             rows = [{**row, **t} for row, t in zip(rows, templated)]
         return [row["conversation"] for row in rows]
 
+    @gc_paused()  # the chunk's rows, turns and token lists are freed by reference counting (stages.gc_paused)
     def __call__(self, rows: list[tuple[int, Any]], source: str | None, stats: PipelineReport) -> list[Sample]:
         numbers = [number for number, _ in rows]
         conversations = self.standard([row for _, row in rows], numbers, source, stats)

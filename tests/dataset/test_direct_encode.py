@@ -1,0 +1,44 @@
+"""The encoder calls the Rust tokenizer's batch encode directly (``batch_token_ids``): the same ids and
+offsets as transformers' ``tokenizer(...)`` on special tokens, empty strings, unicode and whitespace."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from sfttool.dataset.encode import batch_token_ids
+
+TEXTS = ["", "<|im_start|>user\nhello<|im_end|>\n", "<|im_end|><|im_end|>", "héllo wörld 🙂🙂 中文 e\u0301",
+         "  leading and trailing  \n\n", "\t", "tab\tand\r\nnewlines", "x" * 3000, "<|im_start|>", "a<|im_end|>b"]
+
+
+def _same_as_transformers(tok):
+    expected = tok(TEXTS, add_special_tokens=False, return_offsets_mapping=True)
+    assert batch_token_ids(tok, TEXTS) == expected["input_ids"]
+    with_offsets = batch_token_ids(tok, TEXTS, with_offsets=True)
+    assert [ids for ids, _ in with_offsets] == expected["input_ids"]
+    assert [list(map(tuple, offsets)) for _, offsets in with_offsets] == \
+        [list(map(tuple, offsets)) for offsets in expected["offset_mapping"]]
+    assert batch_token_ids(tok, [""]) == [[]]
+
+
+def test_tiny_tokenizer(tiny_tokenizer_dir):
+    _same_as_transformers(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+
+
+def test_smollm2_tokenizer(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    _same_as_transformers(tok)
+    assert len(batch_token_ids(tok, ["<|im_start|>"])[0]) == 1  # a special token stays one id
+
+
+def test_a_backend_that_would_pad_goes_through_transformers(tiny_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok.backend_tokenizer.enable_padding(length=64)
+    assert batch_token_ids(tok, TEXTS) == tok(TEXTS, add_special_tokens=False)["input_ids"]
+    assert all(len(ids) < 64 for ids in batch_token_ids(tok, TEXTS[:3]))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_text_at_a_time_equals_the_batch(tiny_tokenizer_dir, text):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    assert batch_token_ids(tok, [text]) == [batch_token_ids(tok, TEXTS)[TEXTS.index(text)]]
