@@ -26,7 +26,7 @@ from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
 from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
                                    log_report)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
-                                     source_name, template_of, validate_json_source)
+                                     source_name, template_of)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
                                     drop_untrained_rows, fn_name, map_batch, missing_conversation,
                                     pretokenized_table, record_truncation)
@@ -54,15 +54,6 @@ def number_rows(dataset):
     if getattr(dataset, "_indices", None) is not None:  # a selected view: number what it shows
         dataset = dataset.flatten_indices()
     return dataset.add_column(ROW_COLUMN, np.arange(len(dataset)))
-
-
-def load_rows(dataset, split: str):
-    """The dataset a config builds (``resolve_dataset``), its local JSON files checked line by line first;
-    local JSON Lines are read without ``load_dataset``'s builder (``json_lines``: the same dataset)."""
-    from sfttool.dataset.json_lines import load_json_config
-    validate_json_source(dataset)
-    loaded = load_json_config(dataset, split)
-    return loaded if loaded is not None else resolve_dataset(dataset, split, validate=False)
 
 
 def select_rows(dataset, max_dataset_length: int | None, seed: int, report: PipelineReport):
@@ -285,7 +276,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     source = source or source_name(dataset)
     template = template_of(template_map_fn)
     tokenizer = build_if_config(tokenizer, "tokenizer")
-    dataset = load_rows(dataset, split)
+    dataset = resolve_dataset(dataset, split)
     if do_dataset_tokenization:
         dataset = number_rows(dataset)
     map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
