@@ -182,9 +182,9 @@ def cpu_optim_wrapper_type(optim_wrapper_cfg: dict) -> dict:
     ``OptimWrapper`` (dropping AMP-only keys) with a warning."""
     import torch
 
-    type_ = optim_wrapper_cfg.get("type")
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    if torch.cuda.is_available() or not name.endswith("AmpOptimWrapper"):
+    from sfttool.registry import type_name
+
+    if torch.cuda.is_available() or not type_name(optim_wrapper_cfg.get("type")).endswith("AmpOptimWrapper"):
         return optim_wrapper_cfg
     _warn("AmpOptimWrapper needs a GPU; training in float32 with OptimWrapper on this CPU machine")
     cfg = {k: v for k, v in optim_wrapper_cfg.items() if k not in ("loss_scale", "dtype", "use_fsdp")}

@@ -40,6 +40,13 @@ def _import_dotted(path: str) -> Any:
     return getattr(module, attr)
 
 
+def type_name(type_: Any) -> str:
+    """A config ``type``'s short name: a class's or function's ``__name__``, or the last part of a
+    dotted path (``'mmengine.optim.AmpOptimWrapper'`` -> ``'AmpOptimWrapper'``); ``''`` for anything else."""
+    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
+    return name.rsplit(".", 1)[-1]
+
+
 def resolve_type(type_: Any, key: str = "type") -> Any:
     """Return the callable a config's ``type`` names."""
     if callable(type_):

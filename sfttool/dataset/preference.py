@@ -230,9 +230,9 @@ def validation_problems(cfg: Any, path: str) -> list[str]:
     the SFT token loss, which says nothing about how a model ranks chosen over rejected, so it is
     refused rather than run or silently skipped)."""
     dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
-    kind = dataset.get("type") if isinstance(dataset, dict) else None
-    name = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
-    if not name.endswith("build_preference_dataset"):
+    from sfttool.registry import type_name
+
+    if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_preference_dataset"):
         return []
     keys = [k for k in ("val_ratio", "val_data_path", "val_dataloader") if cfg.get(k)]
     if not keys:

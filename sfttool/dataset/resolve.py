@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sfttool.dataset.errors import DatasetError
-from sfttool.registry import MAP_FUNC, build_if_config
+from sfttool.registry import MAP_FUNC, build_if_config, type_name
 
 
 def dataset_config(dataset: Any) -> Any:
@@ -46,8 +46,7 @@ def json_source_files(dataset_cfg: Any) -> list[str]:
     from sfttool.dataset.load import local_json_files
     if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
         return []
-    type_ = dataset_cfg["type"]
-    name = (type_ if isinstance(type_, str) else getattr(type_, "__name__", "")).rsplit(".", 1)[-1]
+    name = type_name(dataset_cfg["type"])
     if name == "load_data_path":
         from sfttool.dataset.data_path import data_source
         try:

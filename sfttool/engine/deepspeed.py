@@ -24,6 +24,7 @@ from typing import Any
 
 from sfttool.config import ConfigError
 from sfttool.config.loader import deepspeed_preset_dir, list_deepspeed_presets
+from sfttool.registry import type_name
 
 FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
           "gradient_clipping", "fp16.enabled", "bf16.enabled")
@@ -61,14 +62,9 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def _type_name(cfg: dict) -> str:
-    type_ = cfg.get("type", "OptimWrapper")
-    return (type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))).rsplit(".", 1)[-1]
-
-
 def _precision(optim_wrapper: dict, on_gpu: bool, bf16_ok: bool) -> tuple[bool, bool]:
     """(fp16, bf16) the config asks for."""
-    if not on_gpu or not _type_name(optim_wrapper).endswith("AmpOptimWrapper"):
+    if not on_gpu or not type_name(optim_wrapper.get("type")).endswith("AmpOptimWrapper"):
         return False, False
     dtype = str(optim_wrapper.get("dtype") or "").replace("torch.", "")
     if dtype == "bfloat16" or (dtype == "" and bf16_ok):

@@ -35,9 +35,9 @@ def _to_iters(value, per_epoch: int, by_epoch: bool, max_iters: int) -> int:
 
 
 def _is_warmup(sched: dict) -> bool:
-    type_ = sched.get("type")
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    return name.rsplit(".", 1)[-1] in ("LinearLR", "LinearParamScheduler", "LinearMomentum")
+    from sfttool.registry import type_name
+
+    return type_name(sched.get("type")) in ("LinearLR", "LinearParamScheduler", "LinearMomentum")
 
 
 def resolve_param_schedulers(schedulers, iters_per_epoch: int, max_iters: int,

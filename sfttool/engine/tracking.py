@@ -25,7 +25,7 @@ from mmengine.visualization import (LocalVisBackend, MLflowVisBackend, Tensorboa
                                     WandbVisBackend)
 
 from sfttool.errors import SfttoolError
-from sfttool.registry import BUILDER
+from sfttool.registry import BUILDER, type_name
 
 
 class TrackingError(SfttoolError, ValueError):
@@ -63,22 +63,17 @@ def visualizer_cfg(cfg: Any) -> Any:
     if own is not None and not isinstance(own, dict):
         return own  # a built visualizer: used as it is
     visualizer = dict(own or {})
-    if _type_name(visualizer.get("type", Visualizer)) == "Visualizer":
+    if type_name(visualizer.get("type", Visualizer)) == "Visualizer":
         visualizer["type"] = TrackingVisualizer
-    backends = [dict(b, type=MLflowBackend) if isinstance(b, dict) and _type_name(b.get("type")) == "MLflowVisBackend"
+    backends = [dict(b, type=MLflowBackend) if isinstance(b, dict) and type_name(b.get("type")) == "MLflowVisBackend"
                 else b for b in visualizer.get("vis_backends") or []]  # MLflow 3 refuses mmengine's default store
-    present = {_type_name(b.get("type")) for b in backends if isinstance(b, dict)}
+    present = {type_name(b.get("type")) for b in backends if isinstance(b, dict)}
     for backend in [LocalVisBackend] + [TRACKERS[n][0] for n in tracker_names(cfg.get("report_to"))]:
         if backend.__name__ not in present:
             backends.append(dict(type=backend))
             present.add(backend.__name__)
     visualizer["vis_backends"] = backends
     return visualizer
-
-
-def _type_name(type_: Any) -> str:
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", "")
-    return name.rsplit(".", 1)[-1]
 
 
 def plain_config(config: Any):

@@ -112,10 +112,10 @@ def release_memory() -> None:
 def training_autocast_dtype(optim_wrapper: Any) -> torch.dtype | None:
     """The autocast dtype of ``AmpOptimWrapper`` on a GPU (mmengine's default float16); None
     elsewhere (float32 on CPU; DeepSpeed casts the weights themselves)."""
+    from sfttool.registry import type_name
+
     optim_wrapper = optim_wrapper or {}
-    kind = optim_wrapper.get("type")
-    name = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
-    if not torch.cuda.is_available() or not name.endswith("AmpOptimWrapper"):
+    if not torch.cuda.is_available() or not type_name(optim_wrapper.get("type")).endswith("AmpOptimWrapper"):
         return None
     from sfttool.model.build import to_torch_dtype
 
