@@ -29,7 +29,7 @@ from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_ma
                                      source_name, template_of)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
                                     drop_untrained_rows, fn_name, map_batch, missing_conversation,
-                                    pretokenized_table, record_truncation)
+                                    pretokenized_table, record_truncation, to_table)
 from sfttool.registry import build_if_config
 
 
@@ -136,13 +136,13 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     from sfttool.dataset.chat_format import renderer
     from sfttool.dataset.stages import template_and_encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
-    hf_chat_template = is_hf_chat_template(template)
-    count_structured_fields(dataset, renderer(tokenizer, chat_template_options(template)), hf_chat_template, report)
+    hf_chat_template, chat_options = is_hf_chat_template(template), chat_template_options(template)
+    count_structured_fields(dataset, renderer(tokenizer, chat_options), hf_chat_template, report)
     remove = dataset.column_names if remove_unused_columns else ["conversation"]
     remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"
     settings = dict(max_length=max_length, source=source, input_ids_with_output=input_ids_with_output,
-                    hf_chat_template=hf_chat_template, chat_options=chat_template_options(template),
+                    hf_chat_template=hf_chat_template, chat_options=chat_options,
                     carry=[name for name in dataset.column_names if name not in remove])
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
@@ -204,11 +204,6 @@ def drop_untrained(dataset, report: PipelineReport, max_length: int):
 
 # Columns the stages add for their own counts and messages; not part of a training row.
 HELPER_COLUMNS = ("num_tokens", "num_trained", "first_trained", ROW_COLUMN)
-
-
-def to_table(dataset):
-    """The dataset's rows as one Arrow table (honours select/filter indices)."""
-    return dataset.with_format("arrow")[:]
 
 
 def count_truncated(dataset, report: PipelineReport) -> None:

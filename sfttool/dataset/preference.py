@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
-from sfttool.dataset.pipeline import (apply_map_fn, content_fingerprint, default_num_proc, log, number_rows,
-                                      select_rows, to_table)
+from sfttool.dataset.pipeline import apply_map_fn, content_fingerprint, default_num_proc, log, number_rows, select_rows
 from sfttool.dataset.preference_encode import COLUMNS, encode_pair_batch
 from sfttool.dataset.report import PipelineReport, change_lines
 from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.stages import to_table
 from sfttool.registry import build_if_config
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")

@@ -235,6 +235,11 @@ def count_tokens(table, report: PipelineReport) -> None:
     report.sample_lengths = kept.tolist()
 
 
+def to_table(dataset):
+    """The dataset's rows as one Arrow table (honours select/filter indices)."""
+    return dataset.with_format("arrow")[:]
+
+
 # ---------------------------------------------------------------------------
 # Rows that are tokenized already.
 
@@ -247,7 +252,7 @@ def pretokenized_table(dataset, max_length: int, report: PipelineReport):
     if missing:
         raise DatasetError(f"do_dataset_tokenization=False needs columns input_ids and labels; "
                            f"missing {', '.join(sorted(missing))}")
-    table = dataset.with_format("arrow")[:]
+    table = to_table(dataset)
     lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False)
     label_lengths = pc.list_value_length(table["labels"]).to_numpy(zero_copy_only=False)
     if (lengths != label_lengths).any():
@@ -259,7 +264,7 @@ def pretokenized_table(dataset, max_length: int, report: PipelineReport):
         for name in ("input_ids", "labels"):
             table = table.set_column(table.column_names.index(name), name, pc.list_slice(table[name], 0, max_length))
     labels = table["labels"].combine_chunks()
-    trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != -100],
+    trained = np.bincount(pc.list_parent_indices(labels).to_numpy()[labels.flatten().to_numpy() != IGNORE_INDEX],
                           minlength=len(table))
     table = table.append_column("num_trained", pa.array(trained))
     table = table.append_column("length", pc.list_value_length(table["input_ids"]))
