@@ -15,22 +15,33 @@ from engine_helpers import lockstep_config, logged, mean, write_config
 HERE = Path(__file__).resolve().parent
 
 
+SFTTOOL_TRAIN = [sys.executable, "-m", "sfttool.cli.main", "train"]
+
+
+def launch_env(**extra: str) -> dict:
+    """The environment ``sfttool train`` gives torchrun's workers (``worker_env``), with this folder's
+    helpers importable, one OpenMP thread per process, and no inherited ``LOCAL_RANK``."""
+    from sfttool.engine.launch import worker_env
+
+    env = dict(worker_env(), PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", **extra)
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
 def run_sfttool(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """``sfttool train ARGS`` in a subprocess. With ``--nproc-per-node N`` the test starts torchrun itself,
     with the command and environment ``sfttool train`` gives it (``sfttool.engine.launch``), as a user's
     own launcher would: the launcher's part before torchrun (one config check, seconds of imports) is
     tested on its own (the global-batch test's simulated nodes below, tests/robustness/test_faults_e2e.py,
     tests/cli/test_train.py)."""
-    from sfttool.engine.launch import LaunchPlan, torchrun_command, worker_env
+    from sfttool.engine.launch import LaunchPlan, torchrun_command
 
-    env = dict(worker_env(), PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    command = [sys.executable, "-m", "sfttool.cli.main", "train", *args]
+    command = [*SFTTOOL_TRAIN, *args]
     if "--nproc-per-node" in args:
         at = args.index("--nproc-per-node")
         command = torchrun_command(LaunchPlan(nproc_per_node=int(args[at + 1])), args[:at] + args[at + 2:])
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -85,16 +96,14 @@ def launch_two_nodes(args: list[str], timeout: int = 400, through_the_launcher: 
     """Two nodes of NNODES=2 (one process each) started in parallel on this machine: ``sfttool train`` with
     NNODES, NODE_RANK, ADDR and PORT set, which starts torchrun for its node; or, with
     ``through_the_launcher=False``, the torchrun command and environment it would start, directly."""
-    from sfttool.engine.launch import LaunchPlan, free_port, torchrun_command, worker_env
+    from sfttool.engine.launch import LaunchPlan, free_port, torchrun_command
 
     port = free_port()
-    base = dict(worker_env(), PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1", NNODES="2", ADDR="127.0.0.1", PORT=str(port), NPROC_PER_NODE="1")
-    base.pop("LOCAL_RANK", None)
+    base = launch_env(NNODES="2", ADDR="127.0.0.1", PORT=str(port), NPROC_PER_NODE="1")
 
     def command(rank: int) -> list[str]:
         if through_the_launcher:
-            return [sys.executable, "-m", "sfttool.cli.main", "train", *args]
+            return [*SFTTOOL_TRAIN, *args]
         return torchrun_command(LaunchPlan(nproc_per_node=1, nnodes=2, node_rank=rank, port=port), args)
 
     nodes = [subprocess.Popen(command(r), env=dict(base, NODE_RANK=str(r)),
