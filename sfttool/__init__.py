@@ -1,3 +1,9 @@
 """sfttool: config-driven supervised fine-tuning of large language models."""
 
+from sfttool import compat as _compat
+
 __version__ = "0.1.0"
+
+# Before any tokenizer can run: forked workers (DataLoader, datasets.map) must never inherit a thread pool
+# they would deadlock on, whatever TOKENIZERS_PARALLELISM says (docs/reliability.md).
+_compat.tokenizer_fork_safety()

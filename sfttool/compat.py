@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 import warnings
 from typing import Iterator
 
@@ -286,6 +287,39 @@ def quiet_bnb_cpu_kernel_warning() -> None:
     if _once("bnb_cpu_kernel_warning"):
         import logging
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def _parallelism_requested() -> bool:
+    """``TOKENIZERS_PARALLELISM`` read as the tokenizers library reads it: set, and not a "no" word."""
+    value = os.environ.get("TOKENIZERS_PARALLELISM")
+    return value is not None and value.strip().lower() not in ("", "off", "false", "f", "no", "n", "0")
+
+
+def _tokenizer_pool_off_in_child() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _say_tokenizer_pool_off() -> None:
+    if _parallelism_requested() and _once("tokenizer_pool_off_said"):
+        message = ("TOKENIZERS_PARALLELISM=true: worker processes tokenize on one thread each "
+                   "(the tokenizer's thread pool deadlocks after a fork); this process keeps its pool")
+        if "mmengine.logging" in sys.modules:  # no import inside a fork hook
+            sys.modules["mmengine.logging"].print_log(message, logger="current", level=logging.WARNING)
+        else:
+            print(message, file=sys.stderr)
+
+
+def tokenizer_fork_safety() -> None:
+    """tokenizers (all versions to 0.22): once a fast tokenizer has used its Rust thread pool, a forked
+    child that uses it again waits forever on the pool's threads, which a fork does not copy. With
+    ``TOKENIZERS_PARALLELISM`` unset the library turns the pool off in the child itself (and warns);
+    with ``=true`` it trusts the user and the child hangs: a DataLoader worker, a ``datasets.map``
+    process (``num_proc``), any forked worker. Turn the pool off in every forked child (each child is
+    one of several parallel workers already, so the pool would only oversubscribe the cores) and keep
+    it in this process, where the batched encode uses it. The variable is read at each batch call,
+    so setting it in the child takes effect there. Spawned and forkserver children start clean."""
+    if _once("tokenizer_fork_safety"):
+        os.register_at_fork(before=_say_tokenizer_pool_off, after_in_child=_tokenizer_pool_off_in_child)
 
 
 # ---------------------------------------------------------------------------
