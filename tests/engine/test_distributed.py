@@ -12,6 +12,8 @@ import torch
 
 from engine_helpers import lockstep_config, logged, mean, write_config
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -7,6 +7,8 @@ from safetensors.torch import load_file
 
 from engine_helpers import Interrupted
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 
 @pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path, tiny_config):

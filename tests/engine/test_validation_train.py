@@ -13,6 +13,8 @@ from validation_helpers import validation_config
 from sfttool.cli.main import cli
 from sfttool.tools.plot import read_run
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 
 def val_records(work_dir) -> list[dict]:
     runs = sorted(work_dir.glob("*/vis_data/scalars.json"))

@@ -21,6 +21,8 @@ from test_distributed import run_sfttool  # noqa: E402
 
 from sfttool import assets  # noqa: E402
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 DPO_CONFIG = '''
 from datasets import load_dataset
 from mmengine.dataset import DefaultSampler

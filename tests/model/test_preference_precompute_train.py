@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_preference_distributed import (_output, pairs_jsonl, resume_from_the_middle, run_sfttool,  # noqa: E402,F401
                                          write)
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 PRECOMPUTE = {"model.precompute_ref_log_probs": True}
 
 

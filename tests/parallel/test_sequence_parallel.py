@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-5
 

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ENGINE_TESTS))
 from engine_helpers import logged, write_config  # noqa: E402
 from test_distributed import run_sfttool  # noqa: E402
 
+pytestmark = pytest.mark.timeout(900)  # tests here launch several processes
+
 SEQUENCE_PARALLEL = ("from sfttool.parallel.sequence import SequenceParallelSampler\n"
                      "sequence_parallel_size = {sp}\n")
 

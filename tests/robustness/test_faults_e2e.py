@@ -18,7 +18,7 @@ import torch
 from robustness_runs import (assert_same_weights, final_weights, run_train, train_cmd, train_env, train_in_process,
                              write_config)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several processes each
 
 
 @pytest.fixture(scope="module")
