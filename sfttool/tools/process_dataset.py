@@ -25,6 +25,7 @@ from typing import Any
 
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.pack import packing_efficiency
+from sfttool.dataset.stats import dataset_stats
 from sfttool.registry import BUILDER, build, resolve_type
 
 MANIFEST = "manifest.json"
@@ -78,34 +79,31 @@ def _describe(obj: Any) -> str:
     return repr(obj)
 
 
-def dataset_stats(dataset, max_length: int | None, batch_size: int = 10_000) -> dict:
-    """Rows, tokens, trained tokens, packing efficiency and a content fingerprint,
-    one Arrow batch at a time (memory stays at one batch).
-
-    Packing efficiency is ``pack.packing_efficiency``: tokens / (rows x max_length). The
-    fingerprint hashes the token columns, so equal data gives an equal value.
-    """
-    import pyarrow.compute as pc
-
+def shard_entry(name: str, dataset, max_length: int | None, batch_size: int = 10_000) -> dict:
+    """A shard's line of the manifest: its counts (``dataset.stats.dataset_stats``; the packing
+    efficiency only when the config names ``max_length``) and a fingerprint of its token columns,
+    so equal data gives an equal value. One Arrow batch at a time (memory stays at one batch)."""
     if "input_ids" not in dataset.column_names:
         raise ProcessedDatasetError("the processed dataset has no `input_ids` column: it is not encoded")
+    stats = dataset_stats(dataset, max_length, batch_size)
+    efficiency = stats["packing_efficiency"] if max_length else None
+    return {"name": name, **{k: stats[k] for k in ("rows", "tokens", "trained_tokens")},
+            "packing_efficiency": None if efficiency is None else round(efficiency, 4),
+            "fingerprint": token_fingerprint(dataset, batch_size)}
+
+
+def token_fingerprint(dataset, batch_size: int = 10_000) -> str:
+    """A hash of the token columns' lengths and values."""
+    import pyarrow.compute as pc
+
     columns = [c for c in TOKEN_COLUMNS if c in dataset.column_names]
     digest = hashlib.sha256()
-    rows = tokens = trained = 0
-    for table in dataset.with_format("arrow").iter(batch_size=batch_size):
-        rows += table.num_rows
-        tokens += pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0
+    for table in dataset.select_columns(columns).with_format("arrow").iter(batch_size=batch_size):
         for name in columns:
             digest.update(name.encode())
             digest.update(pc.list_value_length(table[name]).to_numpy(zero_copy_only=False).tobytes())
             digest.update(pc.list_flatten(table[name]).to_numpy(zero_copy_only=False).tobytes())
-        if "labels" in columns:
-            labels = pc.list_flatten(table["labels"])
-            trained += pc.sum(pc.not_equal(labels, -100).cast("int64")).as_py() or 0
-    efficiency = packing_efficiency(tokens, rows, max_length)
-    return {"rows": rows, "tokens": tokens, "trained_tokens": trained,
-            "packing_efficiency": None if efficiency is None else round(efficiency, 4),
-            "fingerprint": digest.hexdigest()[:16]}
+    return digest.hexdigest()[:16]
 
 
 # At ~600 tokens a row, 100k rows peaked at 3.5 GiB (docs/benchmarks.md); one part-filled row per shard.
@@ -135,7 +133,7 @@ def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overw
     for i, dataset in enumerate(_shard_datasets(node, shard_rows)):
         name = f"shard-{i:05d}"
         dataset.save_to_disk(str(tmp / name))
-        shards.append({"name": name, **dataset_stats(dataset, node.get("max_length"))})
+        shards.append(shard_entry(name, dataset, node.get("max_length")))
         del dataset  # the next shard starts from a clean slate
     tmp.rename(out_dir / DATA_DIR)
     manifest = _manifest(cfg, node, shards, num_proc, shard_rows)

@@ -13,7 +13,7 @@ import torch
 
 from engine_helpers import logged, write_config
 from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
-from sfttool.engine.hooks.dataset_info_hook import configured_max_length, dataset_stats, trained_spans
+from sfttool.engine.hooks.dataset_info_hook import configured_max_length, trained_spans
 from sfttool.utils.stop_words import cut_at_stop_words
 from sfttool.engine.hooks.throughput_hook import logical_numel, peak_tflops_of
 
@@ -34,19 +34,7 @@ def test_peak_lookup():
     assert peak_tflops_of("Mystery GPU") is None
 
 
-def test_dataset_stats_on_packed_rows():
-    from datasets import Dataset
-
-    rows = Dataset.from_dict({
-        "input_ids": [[1, 2, 3, 4], [5, 6]],
-        "labels": [[-100, 2, -100, 4], [-100, 6]],
-        "position_ids": [[0, 1, 0, 1], [0, 1]],
-        "sample_lengths": [[2, 2], [2]],
-    })
-    assert dataset_stats(rows) == {"rows": 2, "samples": 3, "tokens": 6, "trained_tokens": 3,
-                                   "max_length": 4, "efficiency": 0.75}
-    # With the config's max_length, the efficiency is the pipeline's: tokens / (rows x max_length).
-    assert dataset_stats(rows, 8)["efficiency"] == 6 / 16
+def test_configured_max_length():
     assert configured_max_length({"train_dataloader": {"dataset": {"max_length": 8}}}) == 8
     assert configured_max_length({"train_dataloader": {"dataset": {"type": "load_processed_dataset"}}}) is None
 

@@ -11,42 +11,9 @@ from typing import Any
 
 from mmengine.hooks import Hook
 
-from sfttool.dataset.pack import packing_efficiency
+from sfttool.dataset.stats import dataset_stats
 from sfttool.registry import BUILDER, build_if_config
-
-IGNORE_INDEX = -100
-
-
-def _lengths(dataset: Any, column: str) -> list[int]:
-    """Per-row list lengths, read from Arrow without decoding rows when possible."""
-    data = getattr(dataset, "data", None)
-    if data is not None and hasattr(data, "column") and column in getattr(dataset, "column_names", []):
-        import pyarrow.compute as pc
-        return pc.list_value_length(data.column(column)).to_pylist()
-    return [len(dataset[i][column]) for i in range(len(dataset))]
-
-
-def _trained_tokens(dataset: Any) -> int:
-    data = getattr(dataset, "data", None)
-    if data is not None and hasattr(data, "column") and "labels" in getattr(dataset, "column_names", []):
-        import pyarrow.compute as pc
-        labels = pc.list_flatten(data.column("labels"))
-        return int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
-    return sum(sum(1 for x in dataset[i]["labels"] if x != IGNORE_INDEX) for i in range(len(dataset)))
-
-
-def dataset_stats(dataset: Any, max_length: int | None = None) -> dict:
-    """``{'rows', 'samples', 'tokens', 'trained_tokens', 'max_length', 'efficiency'}``; the
-    efficiency is the pipeline's (``pack.packing_efficiency``) of ``max_length``, or of the
-    longest row when the dataset's ``max_length`` is not known."""
-    lengths = _lengths(dataset, "input_ids")
-    columns = getattr(dataset, "column_names", None) or list(dataset[0].keys())
-    samples = sum(_lengths(dataset, "sample_lengths")) if "sample_lengths" in columns else len(lengths)
-    trained = _trained_tokens(dataset)
-    tokens = sum(lengths)
-    max_length = max_length or max(lengths, default=0)
-    return {"rows": len(lengths), "samples": samples, "tokens": tokens, "trained_tokens": trained,
-            "max_length": max_length, "efficiency": packing_efficiency(tokens, len(lengths), max_length) or 0.0}
+from sfttool.utils.constants import IGNORE_INDEX
 
 
 def configured_max_length(cfg: Any) -> int | None:
@@ -87,7 +54,7 @@ class DatasetInfoHook(Hook):
         stats = dataset_stats(dataset, configured_max_length(runner.cfg))
         runner.logger.info(
             f"Dataset: {stats['rows']} rows, {stats['samples']} samples, {stats['tokens']} tokens "
-            f"({stats['trained_tokens']} trained), packing efficiency {stats['efficiency']:.1%} "
+            f"({stats['trained_tokens']} trained), packing efficiency {stats['packing_efficiency']:.1%} "
             f"of {stats['rows']} x {stats['max_length']}")
         row = dataset[0]
         spans = trained_spans(row["input_ids"], row["labels"])
