@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from sfttool.dataset.errors import DatasetError
+from sfttool.utils.constants import IGNORE_INDEX
 
 STRATEGIES = ("bfd", "concat")
 
@@ -225,7 +226,7 @@ def _concat_cuts(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.n
 def _stats(packed: pa.Table, samples: int, max_length: int, split: int) -> PackStats:
     lengths = packed["length"].to_numpy()
     labels = pa.chunked_array(packed["labels"]).combine_chunks()
-    trained = labels.flatten().to_numpy(zero_copy_only=False) != -100  # [tokens] bool
+    trained = labels.flatten().to_numpy(zero_copy_only=False) != IGNORE_INDEX  # [tokens] bool
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     per_row = np.add.reduceat(trained, starts) if len(lengths) else np.zeros(0)
     return PackStats(samples=samples, rows=packed.num_rows, tokens=int(lengths.sum()),

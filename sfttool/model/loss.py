@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from sfttool.utils.constants import IGNORE_INDEX
+
 REDUCTIONS = ("token", "sample")
 
 

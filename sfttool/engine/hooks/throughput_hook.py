@@ -23,6 +23,7 @@ from collections import deque
 from mmengine.hooks import Hook
 
 from sfttool.registry import BUILDER
+from sfttool.utils.constants import IGNORE_INDEX
 
 # Dense bf16/fp16 tensor-core peak TFLOP/s by device-name fragment.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -96,7 +97,7 @@ class ThroughputHook(Hook):
             torch.cuda.synchronize()
         seconds = max(time.perf_counter() - self._start, 1e-9)
         data = data_batch["data"]
-        self._window.append((data["input_ids"].numel(), int((data["labels"] != -100).sum()), seconds))
+        self._window.append((data["input_ids"].numel(), int((data["labels"] != IGNORE_INDEX).sum()), seconds))
         tokens, trained, seconds = (sum(column) for column in zip(*self._window))
         hub = runner.message_hub
         hub.update_scalar("train/tokens_per_sec", tokens / seconds)
