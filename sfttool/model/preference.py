@@ -38,12 +38,6 @@ class PairwiseModel(SupervisedFinetune):
             data = data["data"]
         return P.count_pairs(data)
 
-    def normalize(self, total: torch.Tensor, data: dict) -> torch.Tensor:
-        normalizer = data.get("loss_normalizer")
-        if normalizer is None:
-            normalizer = self.count_loss_units(data)
-        return total / max(float(normalizer), 1e-12)
-
 
 def check_args(loss_type: str, beta: Any, label_smoothing: Any) -> None:
     if loss_type not in P.DPO_LOSS_TYPES:

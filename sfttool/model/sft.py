@@ -220,6 +220,15 @@ class SupervisedFinetune(BaseModel):
             data = data["data"]
         return L.count_loss_units(data["labels"], data.get("position_ids"), self.loss_reduction)
 
+    def normalize(self, total: torch.Tensor, data: dict, ranks_sharing_rows: int = 1) -> torch.Tensor:
+        """``total`` (a summed loss) over the step's loss units: the train loop's ``loss_normalizer``,
+        else this batch's own ``count_loss_units``, counted once over the ``ranks_sharing_rows``
+        sequence-parallel ranks that each hold a slice of the same rows (as the train loop counts)."""
+        normalizer = data.get("loss_normalizer")
+        if normalizer is None:
+            normalizer = self.count_loss_units(data) / ranks_sharing_rows
+        return total / max(float(normalizer), 1e-12)
+
     def _trained_positions(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(targets [batch, seq], keep [batch, seq], position_ids)``: each position's next-token
         target and whether it predicts a trained token."""
@@ -280,10 +289,7 @@ class SupervisedFinetune(BaseModel):
             hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
             weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
             total = self._head_loss(parts, hidden, targets[keep], weights)
-        normalizer = data.get("loss_normalizer")
-        if normalizer is None:
-            normalizer = self.count_loss_units(data)
-        return {"loss": total / max(float(normalizer), 1e-12)}
+        return {"loss": self.normalize(total, data)}
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's
@@ -304,10 +310,7 @@ class SupervisedFinetune(BaseModel):
             total = self._head_loss(parts, self._hidden_states(parts.decoder, data, split)[keep], targets[keep],
                                     weights)
         total = sequence_parallel.reduce_sequence_parallel_loss(total, split.group)
-        normalizer = data.get("loss_normalizer")
-        if normalizer is None:  # as the train loop's: the rows' units once over the group's ranks
-            normalizer = self.count_loss_units(data) / split.size
-        return {"loss": total / max(float(normalizer), 1e-12)}
+        return {"loss": self.normalize(total, data, ranks_sharing_rows=split.size)}
 
     def _unchunked_loss(self, data, targets, keep, position_ids) -> torch.Tensor:
         """The logits of every trained position at once: for models whose logits
