@@ -21,17 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Iterator
-from sfttool.errors import SfttoolError
 
-# Test-only fault injection: when set to a file path, `before_rename` creates
-# that file once the temporary output is complete, then sleeps before the
-# rename, so a test can kill -9 the process at exactly that point. With
-# PAUSE_MATCH_ENV set, only a save whose final name contains it pauses.
-PAUSE_BEFORE_RENAME_ENV = "SFTTOOL_FAULT_PAUSE_BEFORE_RENAME"
-PAUSE_MATCH_ENV = "SFTTOOL_FAULT_PAUSE_MATCH"
+from sfttool.errors import SfttoolError
 
 TMP_MARK = ".tmp-"   # partial outputs are named '.<final name>.tmp-<pid>'
 
@@ -69,14 +62,6 @@ def discard(path: str | os.PathLike) -> None:
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
-
-
-def _pause_for_fault_test(tmp: Path, final: Path) -> None:
-    marker = os.environ.get(PAUSE_BEFORE_RENAME_ENV)
-    if not marker or os.path.exists(marker) or os.environ.get(PAUSE_MATCH_ENV, "") not in final.name:
-        return
-    Path(marker).write_text(str(tmp))       # pauses once: the marker now exists
-    time.sleep(float(os.environ.get("SFTTOOL_FAULT_PAUSE_SECONDS", "600")))
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -146,10 +131,9 @@ def publish(partial: str | os.PathLike, final: str | os.PathLike) -> None:
 def before_rename(partial: str | os.PathLike, final: str | os.PathLike) -> None:
     """Flush ``partial`` (file or folder) to disk before it is renamed to ``final``,
     so the new name never points at data still in the page cache after a crash.
-    Also the test-only pause point (``SFTTOOL_FAULT_PAUSE_BEFORE_RENAME``)."""
-    partial, final = Path(partial), Path(final)
-    _fsync_tree(partial)
-    _pause_for_fault_test(partial, final)
+    (Every save passes here between its write and its rename: the robustness tests
+    pause a save here to kill the process at that point.)"""
+    _fsync_tree(Path(partial))
 
 
 @contextlib.contextmanager

@@ -67,8 +67,10 @@ def train_env(**extra) -> dict:
     return env
 
 
-def train_cmd(config: Path, work_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "sfttool.cli.main", "train", str(config), "--work-dir", str(work_dir), *args]
+def train_cmd(config: Path, work_dir: Path, *args: str, pause_before_rename: bool = False) -> list[str]:
+    """``sfttool train``; ``pause_before_rename``: with the save pause of ``pause_before_rename.py`` armed."""
+    entry = "pause_before_rename" if pause_before_rename else "sfttool.cli.main"
+    return [sys.executable, "-m", entry, "train", str(config), "--work-dir", str(work_dir), *args]
 
 
 def run_train(config: Path, work_dir: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:

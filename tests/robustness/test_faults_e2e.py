@@ -55,7 +55,7 @@ def test_sigterm_saves_at_the_step_boundary_then_resume_equals_uninterrupted(rob
 def test_kill_9_during_a_checkpoint_save_resumes_from_the_newest_complete_one(robust_config, tmp_path, reference):
     config = robust_config()
     work, marker = tmp_path / "work", tmp_path / "paused"
-    proc = subprocess.Popen(train_cmd(config, work), env=train_env(
+    proc = subprocess.Popen(train_cmd(config, work, pause_before_rename=True), env=train_env(
         SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=marker, SFTTOOL_FAULT_PAUSE_MATCH="iter_8"),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _kill_when(marker, proc, "the save of iteration 8")   # between the temporary write and the rename
@@ -198,7 +198,8 @@ def test_killed_preprocessing_leaves_no_usable_cache_and_the_next_run_rebuilds(r
 
     # 2. killed after the processed dataset is written but before it is renamed into place
     saved = tmp_path / "saved"
-    proc = subprocess.Popen(train_cmd(config, work), env=train_env(SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=saved),
+    proc = subprocess.Popen(train_cmd(config, work, pause_before_rename=True),
+                            env=train_env(SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=saved),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _kill_when(saved, proc, "the cache rename")
     entries = sorted(p.name for p in cache.iterdir())

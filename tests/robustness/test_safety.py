@@ -105,9 +105,11 @@ def test_kill_9_between_write_and_rename_leaves_only_a_partial_name(tmp_path):
     """The fault-injection pause, driven the way the end-to-end test drives it."""
     marker = tmp_path / "paused"
     (tmp_path / "iter_1.pth").write_bytes(b"good")
-    script = ("import sys; from sfttool.utils.atomic import atomic_output\n"
+    script = ("import sys; import pause_before_rename; pause_before_rename.arm()\n"
+              "from sfttool.utils.atomic import atomic_output\n"
               "with atomic_output(sys.argv[1]) as tmp: tmp.write_bytes(b'new')\n")
-    env = dict(os.environ, SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=str(marker), SFTTOOL_FAULT_PAUSE_MATCH="iter_2")
+    env = dict(os.environ, SFTTOOL_FAULT_PAUSE_BEFORE_RENAME=str(marker), SFTTOOL_FAULT_PAUSE_MATCH="iter_2",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "iter_2.pth")], env=env)
     deadline = time.monotonic() + 60
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
