@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from sfttool.utils.constants import IGNORE_INDEX
+from sfttool.utils.positions import sample_ids
 
 REDUCTIONS = ("token", "sample")
 
@@ -40,18 +41,6 @@ def shift_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Ten
     next_is_start = position_ids[:, 1:] == 0
     targets[:, :-1] = labels[:, 1:].masked_fill(next_is_start, IGNORE_INDEX)
     return targets
-
-
-def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """A batch-wide id for the sample each token belongs to.
-
-    >>> sample_ids(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 0]]))
-    tensor([[0, 0, 1, 1],
-            [2, 2, 2, 3]])
-    """
-    starts = position_ids == 0
-    starts[:, 0] = True  # a row always begins a sample, whatever its positions say
-    return starts.flatten().cumsum(0).view_as(position_ids) - 1
 
 
 def count_loss_units(labels: torch.Tensor, position_ids: torch.Tensor | None, reduction: str = "token") -> int:

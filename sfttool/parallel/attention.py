@@ -17,9 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from sfttool.model.loss import sample_ids
 from sfttool.parallel.comm import heads_to_seq, seq_to_heads
 from sfttool.parallel.groups import SequenceParallelError
+from sfttool.utils.positions import sample_ids
 
 PREFIX = "sequence_parallel_"
 INNER = ("eager", "sdpa", "flash_attention_2")
