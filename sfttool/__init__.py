@@ -7,3 +7,5 @@ __version__ = "0.1.0"
 # Before any tokenizer can run: forked workers (DataLoader, datasets.map) must never inherit a thread pool
 # they would deadlock on, whatever TOKENIZERS_PARALLELISM says (docs/reliability.md).
 _compat.tokenizer_fork_safety()
+# Before anything imports bitsandbytes (peft does, with sfttool.model): its CPU kernel warning is noise here.
+_compat.quiet_bnb_cpu_kernel_warning()

@@ -11,8 +11,8 @@
   we record the exact Python/numpy/torch RNG states in the message hub (which
   every checkpoint holds, DeepSpeed's too) and restore them, so dropout draws
   continue unchanged.
-- ``find_latest_checkpoint``: the checkpoint ``--resume`` continues from, the
-  one ``last_checkpoint`` names (else the newest *complete* one).
+- ``sfttool.utils.checkpoint_file``: the checkpoint ``--resume`` continues from (the
+  one ``last_checkpoint`` names, else the newest *complete* one) and the best one.
 - ``check_checkpoint_fits``: a checkpoint of another model or LoRA shape fails
   with a one-line error before training, not inside the optimizer.
 - ``ignore_frozen_weights_on_load``: a LoRA checkpoint holds the adapter only,
@@ -30,64 +30,9 @@ from typing import Any
 from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
-from sfttool.utils.atomic import atomic_write_text, discard, publish, reported_save
-from sfttool.utils.checkpoint_file import CheckpointReadError, load_checkpoint  # noqa: F401  (re-exported)
 from sfttool.registry import BUILDER
-
-_CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
-BEST_POINTER = "best_checkpoint"  # beside last_checkpoint: the path of the save_best checkpoint
-
-
-def find_latest_checkpoint(work_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``work_dir/last_checkpoint`` names, when it is complete;
-    else ``work_dir/iter_N.pth`` with the largest N (file or DeepSpeed folder).
-    Unfinished ``.tmp`` saves are never considered.
-
-    The pointer wins over the largest N: after ``--resume iter_100.pth`` in a
-    folder that also holds an older run's ``iter_3000.pth``, the run continued
-    is the one that wrote ``last_checkpoint``."""
-    work_dir = Path(work_dir)
-    named = _last_checkpoint(work_dir)
-    if named is not None:
-        return named
-    best = None
-    for path in work_dir.glob("iter_*.pth"):
-        match = _CKPT_RE.match(path.name)
-        if match and (best is None or int(match.group(1)) > best[0]):
-            best = (int(match.group(1)), path)
-    return best[1] if best else None
-
-
-def _last_checkpoint(work_dir: Path) -> Path | None:
-    """The complete ``iter_N.pth`` that ``work_dir/last_checkpoint`` names, or None.
-
-    The hook writes the pointer only after the checkpoint is renamed into place,
-    so a named checkpoint that exists is complete. The pointer holds an absolute
-    path: in a work dir copied or moved elsewhere the same name here is meant."""
-    try:
-        named = Path((work_dir / "last_checkpoint").read_text().strip())
-    except (OSError, UnicodeDecodeError):
-        return None
-    if not _CKPT_RE.match(named.name):
-        return None
-    for candidate in (work_dir / named.name, named):  # the second: a hook with its own out_dir
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def find_best_checkpoint(work_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``work_dir/best_checkpoint`` names (``save_best``: the lowest ``val/loss``), when
-    it exists (looked up in ``work_dir`` first: the pointer holds an absolute path)."""
-    work_dir = Path(work_dir)
-    try:
-        named = Path((work_dir / BEST_POINTER).read_text().strip())
-    except (OSError, UnicodeDecodeError):
-        return None
-    for candidate in (work_dir / named.name, named):
-        if named.name and candidate.exists():
-            return candidate
-    return None
+from sfttool.utils.atomic import atomic_write_text, discard, publish, reported_save
+from sfttool.utils.checkpoint_file import BEST_POINTER, CheckpointReadError, load_checkpoint, run_config
 
 
 @BUILDER.register_module()
@@ -254,19 +199,6 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
         config = run_config(path.parent, checkpoint.get("meta")) or f"{path.parent}/<config name>.py"
         raise ConfigError(f"--resume {path} does not fit this model ({'; '.join(problems)}); resume with the "
                           f"config (and --cfg-options) the checkpoint was trained with: {config}")
-
-
-def run_config(work_dir: Path, meta: Any = None) -> Path | None:
-    """The config ``sfttool train`` dumped in ``work_dir`` (it includes the run's --cfg-options):
-    the ``*.py`` whose text is a checkpoint's ``meta['cfg']`` when that is given, else the only
-    one (DeepSpeed also copies its ``zero_to_fp32.py`` / ``zero_to_torch.py`` there); None when
-    it cannot tell."""
-    configs = [p for p in sorted(work_dir.glob("*.py")) if not p.name.startswith("zero_to_")]
-    text = meta.get("cfg") if isinstance(meta, dict) else None
-    matching = [p for p in configs if text is not None and p.read_text(errors="replace") == text]
-    if matching:
-        return matching[0]
-    return configs[0] if len(configs) == 1 else None
 
 
 def ignore_frozen_weights_on_load(model) -> None:

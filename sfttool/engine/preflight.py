@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sfttool.config import ConfigError, validate_config
+from sfttool.model.build import configured_dtype
 
 # On a machine without a GPU a half-precision model is loaded in float32 unless this is set to 1.
 CPU_HALF_PRECISION_ENV = "SFTTOOL_CPU_HALF_PRECISION"
@@ -79,7 +80,7 @@ def check_work_dir(work_dir: Path, resume: str | None) -> None:
     """A writable folder, and without an earlier run's checkpoints unless ``--resume``
     continues it: a run started over would overwrite its ``iter_N.pth``,
     ``last_checkpoint``, dumped config and HF export."""
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
     from sfttool.engine.safety import WorkDirError, check_work_dir_writable
 
     if work_dir.is_file():
@@ -94,7 +95,7 @@ def check_work_dir(work_dir: Path, resume: str | None) -> None:
 def resolve_resume(resume: str | None, work_dir: Path, deepspeed: str | None = None) -> str | None:
     """``--resume`` (auto) -> the work dir's latest complete checkpoint; a path -> itself.
     Either must be of the kind ``--deepspeed`` loads: a folder with it, a file without."""
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
     if not resume:
         return None
@@ -166,19 +167,6 @@ def run_seed(cfg: Any, seed: int | None) -> int:
 # The model's dtype on a machine without a GPU.
 
 HALF = ("bfloat16", "float16")
-
-
-def dtype_name(dtype: Any) -> str | None:
-    """``'bfloat16'`` for 'bfloat16', 'torch.bfloat16' or torch.bfloat16; None when unset."""
-    return None if dtype is None else str(dtype).replace("torch.", "")
-
-
-def configured_dtype(model_cfg: Any) -> str | None:
-    """The dtype the config loads the LLM in (``model.llm.dtype``, or transformers 4's ``torch_dtype``)."""
-    llm = (model_cfg or {}).get("llm") if isinstance(model_cfg, dict) else None
-    if not isinstance(llm, dict):
-        return None
-    return dtype_name(llm.get("dtype", llm.get("torch_dtype")))
 
 
 def model_cfg_for_device(model_cfg: Any, on_gpu: bool) -> tuple[Any, str | None]:

@@ -66,7 +66,7 @@ def model_source(cfg: Any, model: Any) -> str:
 def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: int = 1) -> str:
     import torch
 
-    from sfttool.engine.export import export_folder_name
+    from sfttool.model.hf_folder import export_folder_name
 
     source = model_source(cfg, model)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "?")

@@ -159,7 +159,7 @@ def restore_best_weights(runner: Any, cfg: Any) -> Any:
     or None (not asked, or no best checkpoint: the last weights are exported, with a warning)."""
     from mmengine.logging import print_log
 
-    from sfttool.engine.checkpoint import find_best_checkpoint, load_checkpoint
+    from sfttool.utils.checkpoint_file import find_best_checkpoint, load_checkpoint
     from sfttool.engine.runner import unwrap_model
 
     if not cfg.get("export_best"):

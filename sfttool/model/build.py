@@ -40,6 +40,19 @@ def to_torch_dtype(value: Any, key: str = "dtype") -> Any:
     raise ConfigBuildError(f"{key}: unknown dtype {value!r}; use 'bfloat16', 'float16', 'float32' or a torch dtype")
 
 
+def dtype_name(dtype: Any) -> str | None:
+    """``'bfloat16'`` for 'bfloat16', 'torch.bfloat16' or torch.bfloat16; None when unset."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def configured_dtype(model_cfg: Any) -> str | None:
+    """The dtype the config loads the LLM in (``model.llm.dtype``, or transformers 4's ``torch_dtype``)."""
+    llm = (model_cfg or {}).get("llm") if isinstance(model_cfg, dict) else None
+    if not isinstance(llm, dict):
+        return None
+    return dtype_name(llm.get("dtype", llm.get("torch_dtype")))
+
+
 def build_quantization_config(cfg: Any) -> Any:
     """A quantization dict (typed or not) -> its config object; objects pass through.
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
 from sfttool.errors import SfttoolError
-from sfttool.tools.merge import (SAVED_CONFIG_NAME, adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
+from sfttool.model.hf_folder import SAVED_CONFIG_NAME
+from sfttool.tools.merge import (adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
                                  training_output_problem)
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 

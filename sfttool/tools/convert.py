@@ -10,7 +10,7 @@ the adapter for LoRA runs) or a DeepSpeed checkpoint folder (ZeRO-1/2/3),
 whose partitioned fp32 weights are gathered with DeepSpeed's own
 ``zero_to_fp32``. The model is rebuilt from the config, the weights loaded
 into it, and saved as the end of training saves it
-(``sfttool.engine.export.write_hf_folder``).
+(``sfttool.model.hf_folder.write_hf_folder``).
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import copy
 import os
 from pathlib import Path
 
-from sfttool.engine.export import write_hf_folder
 from sfttool.errors import SfttoolError
+from sfttool.model.hf_folder import config_tokenizer, write_hf_folder
+from sfttool.registry import build
 from sfttool.tools.merge import dumped_config
+from sfttool.utils.checkpoint_file import BEST_POINTER, CheckpointReadError, find_best_checkpoint, load_checkpoint
 
 
 class ConvertError(SfttoolError):
@@ -32,9 +34,7 @@ class ConvertError(SfttoolError):
 
 def load_pth_state_dict(path: Path) -> dict:
     """Weights of an mmengine ``.pth``, read as ``--resume`` reads them
-    (``sfttool.engine.checkpoint.load_checkpoint``: nothing outside the allow-list is unpickled)."""
-    from sfttool.engine.checkpoint import CheckpointReadError, load_checkpoint
-
+    (``sfttool.utils.checkpoint_file.load_checkpoint``: nothing outside the allow-list is unpickled)."""
     try:
         ckpt = load_checkpoint(path)
     except CheckpointReadError as exc:
@@ -126,8 +126,6 @@ def _shape(value) -> list | str:
 
 def best_checkpoint(work_dir: str | os.PathLike) -> Path:
     """``--best``: the checkpoint ``work_dir/best_checkpoint`` names (the lowest ``val/loss``)."""
-    from sfttool.engine.checkpoint import BEST_POINTER, find_best_checkpoint
-
     found = find_best_checkpoint(work_dir)
     if found is None:
         raise ConvertError(f"--best: {work_dir} has no {BEST_POINTER} file naming an existing checkpoint (the run "
@@ -138,9 +136,6 @@ def best_checkpoint(work_dir: str | os.PathLike) -> Path:
 def pth_to_hf(cfg, ckpt: str | os.PathLike, save_dir: str | os.PathLike, safe_serialization: bool = True,
               max_shard_size: str | int = "2GB") -> Path:
     """Convert ``ckpt`` trained with config ``cfg`` (a loaded config) into ``save_dir``."""
-    from sfttool.engine.export import config_tokenizer
-    from sfttool.registry import build
-
     save_dir = Path(save_dir)
     state = load_checkpoint_state_dict(ckpt)  # read first: a bad path fails before the model loads
     model = build(conversion_model_cfg(cfg.model), "model")

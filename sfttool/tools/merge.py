@@ -6,8 +6,8 @@
 The base is loaded unquantised (also for QLoRA adapters: merging into 4-bit
 weights would round the update away), so the merged model is what the adapter
 computes on top of full-precision weights. SAVE_DIR is written beside itself
-and moved into place when complete (``output_folder``, also used by
-``pth_to_hf``), and a training output given where a model belongs (a
+and moved into place when complete (``model.hf_folder.output_folder``, as
+``pth_to_hf`` and the end of training write theirs), and a training output given where a model belongs (a
 checkpoint, a work dir, the adapter as BASE) is refused in one line that
 names the fix (``training_output_problem``, also used by ``chat``).
 """
@@ -19,9 +19,11 @@ import os
 import shutil
 from pathlib import Path
 from typing import Iterator
-from sfttool.errors import SfttoolError
 
-SAVED_CONFIG_NAME = "sfttool_config.py"
+from sfttool.errors import SfttoolError
+from sfttool.model.hf_folder import SAVED_CONFIG_NAME, output_folder, save_model
+from sfttool.utils.checkpoint_file import find_latest_checkpoint, run_config
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -78,15 +80,13 @@ def _work_dir_fix(work_dir: Path, role: str) -> str:
         return f"pass {adapter}"
     if (model / "config.json").is_file():
         return f"pass {model}"
-    from sfttool.engine.checkpoint import find_latest_checkpoint
     ckpt = find_latest_checkpoint(work_dir) or work_dir / "iter_N.pth"  # the one --resume would continue
     return f"convert a checkpoint first: sfttool convert pth_to_hf {dumped_config(work_dir)} {ckpt} OUT"
 
 
 def dumped_config(work_dir: Path) -> str:
-    """The config `sfttool train` dumped in ``work_dir`` (``engine.checkpoint.run_config``),
+    """The config `sfttool train` dumped in ``work_dir`` (``utils.checkpoint_file.run_config``),
     or the placeholder CONFIG when it cannot tell."""
-    from sfttool.engine.checkpoint import run_config
     found = run_config(work_dir) if _is_work_dir(work_dir) else None
     return str(found) if found else "CONFIG"
 
@@ -192,33 +192,6 @@ def fit_embeddings_to_adapter(model, tokenizer) -> None:
         resize_embeddings(model, tokenizer)
 
 
-def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,
-               max_shard_size: str | int = "2GB", dtype=None) -> None:
-    """Save a full HF model; ``safe_serialization=False`` writes ``pytorch_model.bin``
-    (transformers 5 only writes safetensors itself; some older readers want .bin).
-    ``dtype``: save the floating-point weights in it (the model itself is not changed)."""
-    import torch
-
-    save_dir = Path(save_dir)
-    model.config.use_cache = True  # training turns the KV cache off; inference wants it back
-    state = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
-             for k, v in model.state_dict().items()}
-    config_dtype = getattr(model.config, "dtype", None)
-    try:
-        if safe_serialization:
-            model.save_pretrained(save_dir, max_shard_size=max_shard_size, state_dict=state)
-        else:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            if model.can_generate():
-                model.generation_config.save_pretrained(save_dir)
-            torch.save({k: v.cpu().contiguous() for k, v in state.items()}, save_dir / "pytorch_model.bin")
-        if dtype is not None:  # save_pretrained writes the dtype of the model's weights, not of the saved ones
-            model.config.dtype = dtype
-        model.config.save_pretrained(save_dir)
-    finally:
-        model.config.dtype = config_dtype
-
-
 def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir: str | os.PathLike,
                   device: str = "cpu", safe_serialization: bool = True,
                   max_shard_size: str | int = "2GB") -> Path:
@@ -236,16 +209,3 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
         if (adapter / SAVED_CONFIG_NAME).is_file():
             shutil.copy(adapter / SAVED_CONFIG_NAME, tmp / SAVED_CONFIG_NAME)
     return save_dir
-
-
-def _is_weights_file(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
-
-
-def output_folder(save_dir: Path, error: type[Exception] = MergeError):
-    """Write an HF folder atomically (``sfttool.utils.atomic.atomic_folder``): other files
-    already in ``save_dir`` are kept, except weight files of an earlier save that the new
-    one does not overwrite (a stale shard or index next to new weights would load as a mix)."""
-    from sfttool.utils.atomic import atomic_folder
-
-    return atomic_folder(save_dir, error, stale=_is_weights_file)

@@ -23,7 +23,7 @@ class ScoreError(SfttoolError):
 
 def saved_reward_token(folders) -> int | None:
     """``model.reward_token_id`` of the training config saved beside the model or adapter, if any."""
-    from sfttool.tools.merge import SAVED_CONFIG_NAME
+    from sfttool.model.hf_folder import SAVED_CONFIG_NAME
     for folder in folders:
         path = Path(folder) / SAVED_CONFIG_NAME
         if path.is_file():

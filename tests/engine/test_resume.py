@@ -52,7 +52,7 @@ def test_max_steps_stops_with_a_checkpoint_that_resumes_into_the_uninterrupted_r
 
 
 def test_latest_checkpoint_ignores_unfinished(tmp_path):
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
     assert find_latest_checkpoint(tmp_path) is None
     (tmp_path / "iter_8.pth").write_bytes(b"x")
@@ -147,7 +147,7 @@ def test_rng_states_of_more_ranks_than_this_run_restore_rank_0s_with_a_warning()
 
 def test_latest_checkpoint_is_the_one_last_checkpoint_names(tmp_path):
     """Mixed runs in one folder: the pointer names the run that was continued last."""
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
     (tmp_path / "iter_3000.pth").write_bytes(b"x")  # an older, longer run
     (tmp_path / "iter_100.pth").write_bytes(b"x")
@@ -163,7 +163,7 @@ def test_latest_checkpoint_is_the_one_last_checkpoint_names(tmp_path):
 
 @pytest.mark.parametrize("pointer", ["iter_200.pth", "iter_200.pth.tmp", "", "garbage"])
 def test_a_pointer_to_no_complete_checkpoint_falls_back_to_the_newest(tmp_path, pointer):
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
     (tmp_path / "iter_100.pth").write_bytes(b"x")
     (tmp_path / "iter_200.pth.tmp").write_bytes(b"partial")  # killed mid-save, before the pointer moved

@@ -29,7 +29,7 @@ def log_text(work_dir) -> str:
 def test_a_plateau_stops_at_the_patience_th_validation(tmp_path, tiny_config):
     """lr 1e-30: the validation loss does not move (by more than rounding). Validations at steps 2 (the
     best), 4, 6: the second without an improvement of min_delta (patience 2) stops the run at step 6."""
-    from sfttool.engine.checkpoint import find_best_checkpoint
+    from sfttool.utils.checkpoint_file import find_best_checkpoint
     from sfttool.engine.train import train
 
     cfg = validation_config(tiny_config, lr=1e-30, patience=2, save_steps=100, extra="export_best = True\n",
@@ -61,7 +61,7 @@ def _assert_the_export_holds_the_best_weights(work):
     import torch
     from safetensors.torch import load_file
 
-    from sfttool.engine.checkpoint import load_checkpoint
+    from sfttool.utils.checkpoint_file import load_checkpoint
 
     exported = {k.replace(".weight", ""): v for k, v in
                 load_file(work / "hf_adapter" / "adapter_model.safetensors").items()}
