@@ -5,14 +5,17 @@ the dependency is fixed. ``apply_all()`` is idempotent and cheap.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 _APPLIED: set[str] = set()
@@ -67,6 +70,39 @@ def patch_mmengine_package_lookup() -> None:
     mm_config.get_installed_path = get_installed_path
 
 
+@contextlib.contextmanager
+def substituted_assignments(values: dict[tuple[Path, int], ast.expr]) -> Iterator[None]:
+    """While a config loads, execute each ``(file, line)`` assignment with the given value instead
+    (``--cfg-options NAME=VALUE``, ``sfttool.config.overrides``).
+
+    mmengine 0.10.x offers no way to change a pure-Python config before it runs: it parses each
+    file with ``ast`` and hands the tree to its ``ImportTransformer`` (looked up in
+    ``mmengine.config.config`` at each call) before executing it. A subclass that first swaps the
+    assigned values, installed for the time of one load, is the one narrow place to do it."""
+    from mmengine.config import config as mm_config
+
+    original = mm_config.ImportTransformer
+
+    class Substituting(original):
+        def __init__(self, *args, filename=None, **kwargs):
+            super().__init__(*args, filename=filename, **kwargs)
+            self._file = Path(filename).resolve() if filename else None
+
+        def visit(self, node):
+            if isinstance(node, ast.Module):
+                for stmt in node.body:
+                    value = values.get((self._file, getattr(stmt, "lineno", None)))
+                    if value is not None and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                        stmt.value = value
+            return super().visit(node)
+
+    mm_config.ImportTransformer = Substituting
+    try:
+        yield
+    finally:
+        mm_config.ImportTransformer = original
+
+
 def disable_bnb_cpu_weight_repacking(model) -> int:
     """bitsandbytes 0.50 (CPU with AVX512-BF16): ``Linear4bit.forward`` in eval
     mode without grad repacks its 4-bit weight into an inference-only layout
@@ -89,6 +125,29 @@ def disable_bnb_cpu_weight_repacking(model) -> int:
 
 # ---------------------------------------------------------------------------
 # Training-side patches (runner, distributed, DeepSpeed, resume).
+
+_runs_in_this_process = itertools.count(1)
+
+
+def numbered_run_name(name: str) -> str:
+    """The run's name, numbered from the second run of a process (``name_run2`` ...).
+
+    mmengine 0.10.x names a run's message hub and logger ``<name>_<timestamp to the second>``, and
+    their ``get_instance`` hands back an existing instance of that name, so a second run started in
+    the same process within the same second (tests, notebooks) inherited the first run's checkpoint
+    bookkeeping -- and deleted its own new checkpoints as "older than the last K" -- and logged
+    into the first run's file. Every rank trains the same number of times, so the numbers agree
+    across ranks."""
+    n = next(_runs_in_this_process)
+    return name if n == 1 else f"{name}_run{n}"
+
+
+def register_mmengine_deepspeed_wrapper() -> None:
+    """mmengine 0.10.x registers its ``DeepSpeedOptimWrapper`` (the name ``optim_wrapper.type`` gives)
+    only when its private ``mmengine._strategy`` package is imported, which imports deepspeed
+    (seconds): import it where that name must resolve."""
+    import mmengine._strategy  # noqa: F401
+
 
 def patch_mmengine_deepspeed_optimizers() -> None:
     """mmengine 0.10.x with deepspeed >= 0.16: ``register_deepspeed_optimizers``

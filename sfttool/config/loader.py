@@ -114,7 +114,7 @@ def _read(path: Path, values: dict):
     from mmengine.config.utils import ConfigParsingError
 
     try:
-        with overrides.substituted(values):
+        with compat.substituted_assignments(values):
             # A plain file is loaded the pure-Python way when a name in it is overridden.
             return Config.fromfile(str(path), lazy_import=True if values else None)
     except (ImportError, NameError, AttributeError, KeyError, TypeError, ValueError,

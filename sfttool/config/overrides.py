@@ -13,7 +13,6 @@ keys to use instead.
 from __future__ import annotations
 
 import ast
-import contextlib
 import difflib
 import logging
 from pathlib import Path
@@ -168,38 +167,6 @@ def _read_after(chain: list[tuple[Path, ast.Module]], where: tuple[Path, int], n
                for s in statements for n in ast.walk(s)):
             return True
     return False
-
-
-@contextlib.contextmanager
-def substituted(values: dict[tuple[Path, int], ast.expr]) -> Iterator[None]:
-    """While loading, execute each ``(file, line)`` assignment with the given value instead.
-
-    mmengine 0.10 parses each file of a pure-Python config with ``ast`` and hands the tree to its
-    ``ImportTransformer`` (looked up in ``mmengine.config.config`` at each call) before executing
-    it; a subclass that first swaps the assigned values is the one narrow place to do it.
-    """
-    from mmengine.config import config as mm_config
-
-    original = mm_config.ImportTransformer
-
-    class Substituting(original):
-        def __init__(self, *args, filename=None, **kwargs):
-            super().__init__(*args, filename=filename, **kwargs)
-            self._file = Path(filename).resolve() if filename else None
-
-        def visit(self, node):
-            if isinstance(node, ast.Module):
-                for stmt in node.body:
-                    value = values.get((self._file, getattr(stmt, "lineno", None)))
-                    if value is not None and isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-                        stmt.value = value
-            return super().visit(node)
-
-    mm_config.ImportTransformer = Substituting
-    try:
-        yield
-    finally:
-        mm_config.ImportTransformer = original
 
 
 def has_base_key(path: Path) -> bool:

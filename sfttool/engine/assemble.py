@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,10 +200,12 @@ def _build_hook(hook: Any, key: str) -> Any:
     """Through sfttool's ``build`` (errors name the config key), except a bare name of mmengine's
     hook registry, which only mmengine resolves."""
     if isinstance(hook, dict) and isinstance(hook.get("type"), str) and "." not in hook["type"]:
-        try:
-            resolve_type(hook["type"], key)
-        except Exception:
-            return hook  # a name in mmengine's own hook registry: mmengine builds it
+        from mmengine.registry import HOOKS
+
+        from sfttool.registry import BUILDER
+
+        if hook["type"] not in BUILDER and hook["type"] in HOOKS:
+            return hook  # a name only mmengine's own hook registry holds: mmengine builds it
     if isinstance(hook, dict) and "priority" in hook:  # mmengine's key for the runner, not the hook's argument
         from mmengine.runner import get_priority
 
@@ -220,7 +221,7 @@ def _build_hook(hook: Any, key: str) -> Any:
 # DeepSpeed
 
 def _deepspeed_runner(cfg: Any, model: Any, deepspeed: str, common: dict):
-    from mmengine.runner._flexible_runner import FlexibleRunner
+    from mmengine.runner import FlexibleRunner
 
     from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
 
@@ -241,20 +242,11 @@ def _guarded(ds_wrapper: dict, user_cfg: Any) -> dict:
 # ---------------------------------------------------------------------------
 # The run's name and its log before the runner exists
 
-_runs_in_this_process = itertools.count(1)
-
-
 def experiment_name(cfg: Any) -> str:
-    """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a process.
-
-    mmengine 0.10.x names a run's message hub and logger ``<name>_<timestamp to the second>`` and hands back an
-    existing instance of that name, so a second run started in the same process within the same second
-    (tests, notebooks) inherited the first run's checkpoint bookkeeping -- and deleted its own new
-    checkpoints as "older than the last K" -- and logged into the first run's file. Every rank runs
-    ``train`` the same number of times, so the numbers agree across ranks."""
+    """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a
+    process (``compat.numbered_run_name``)."""
     name = cfg.get("experiment_name") or (Path(cfg.filename).stem if cfg.filename else "run")
-    n = next(_runs_in_this_process)
-    return name if n == 1 else f"{name}_run{n}"
+    return compat.numbered_run_name(name)
 
 
 @contextlib.contextmanager

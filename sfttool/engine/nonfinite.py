@@ -38,8 +38,10 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
+from sfttool import compat
 from sfttool.engine.collective import any_rank
 from sfttool.errors import SfttoolError
+from sfttool.registry import resolve_type
 
 DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
 
@@ -184,12 +186,9 @@ def _resolve_wrapper_type(type_) -> type | None:
     if isinstance(type_, str):
         found = OPTIM_WRAPPERS.get(type_)
         if found is None and "." not in type_:
-            import mmengine._strategy  # noqa: F401  registers DeepSpeedOptimWrapper (imports deepspeed)
-
+            compat.register_mmengine_deepspeed_wrapper()
             found = OPTIM_WRAPPERS.get(type_)
         if found is None and "." in type_:
-            from sfttool.registry import resolve_type
-
             found = resolve_type(type_, "optim_wrapper.type")
         return found if isinstance(found, type) else None
     return None
