@@ -18,14 +18,17 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from sfttool.config.settings import SETTINGS
 from sfttool.errors import SfttoolError
 
-# Top-level keys that the runner, the train entry or the tools read themselves: an override may add them.
-READ_KEYS = frozenset({
+# Top-level keys that mmengine's runner or the tools read themselves.
+RUNNER_KEYS = frozenset({
     "model", "tokenizer", "train_dataloader", "optim_wrapper", "param_scheduler", "train_cfg",
-    "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness", "seed",
-    "log_processor", "visualizer", "work_dir", "launcher", "model_wrapper_cfg", "find_unused_parameters",
-    "experiment_name", "val_dataloader", "val_cfg", "val_evaluator", "report_to", "export_best"})
+    "default_hooks", "custom_hooks", "env_cfg", "log_level", "load_from", "resume", "randomness",
+    "log_processor", "visualizer", "launcher", "model_wrapper_cfg", "find_unused_parameters",
+    "val_dataloader", "val_cfg", "val_evaluator"})
+# ... and with the PART 1 settings sfttool reads (config.settings): an override may always set them.
+READ_KEYS = RUNNER_KEYS | frozenset(SETTINGS)
 
 # Copied into the dicts training builds, but also read directly by a tool (convert saves `tokenizer`
 # beside the weights): a dotted override is allowed, with a warning naming the copies training uses.

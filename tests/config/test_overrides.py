@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from sfttool.cli.main import cli
 from sfttool.config import ConfigError, load_config
+from sfttool.config.settings import SETTINGS
 
 QLORA = "qwen2_5_7b_instruct_qlora_alpaca_e3"   # imports _base_/peft.py and _base_/runtime.py
 
@@ -233,3 +234,38 @@ def test_a_dotted_tokenizer_key_warns_with_the_copies_training_reads(copied):
         "copies the config made of it; to change training, override custom_hooks.0.tokenizer.padding_side, "
         "custom_hooks.1.tokenizer.padding_side, train_dataloader.dataset.tokenizer.padding_side, "
         "val_dataloader.dataset.tokenizer.padding_side"]
+
+
+# XTuner's configs set these in PART 1 whether or not another line reads them (sequence_parallel_size = 1).
+XTUNER_STYLE_PART_1 = '''
+from sfttool.engine.runner import TrainLoop
+{settings}
+unused = 1
+max_epochs = 3                 # read by nothing below: train_cfg has its own number
+model = dict(type='SupervisedFinetune')
+train_cfg = dict(type=TrainLoop, max_epochs=1)
+'''
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_part1_name_sfttool_reads_is_overridable_where_nothing_in_the_config_reads_it(tmp_path, name):
+    settings = "\n".join(f"{setting} = None" for setting in SETTINGS)
+    path = _write(tmp_path / "xtuner_style.py", XTUNER_STYLE_PART_1.format(settings=settings))
+    cfg = load_config(path, [f"{name}=7"])
+    assert cfg[name] == 7 and all(cfg[other] is None for other in SETTINGS if other != name)
+
+
+def test_names_nothing_reads_are_still_refused(tmp_path):
+    settings = "\n".join(f"{setting} = None" for setting in SETTINGS)
+    path = _write(tmp_path / "xtuner_style.py", XTUNER_STYLE_PART_1.format(settings=settings))
+    for name in ("unused", "max_epochs"):
+        with pytest.raises(ConfigError, match=rf"--cfg-options {name}: the config sets `{name}` \(xtuner_style\.py:\d+\) "
+                                              "but nothing in it reads the name afterwards"):
+            load_config(path, [f"{name}=2"])
+
+
+def test_a_setting_the_config_lacks_may_be_added(tmp_path):
+    path = _write(tmp_path / "plain.py", "model = dict(type='SupervisedFinetune')\n")
+    assert load_config(path, ["sequence_parallel_size=2"]).sequence_parallel_size == 2
+    with pytest.raises(ConfigError, match="the config has no setting `sequence_paralel_size`"):
+        load_config(path, ["sequence_paralel_size=2"])
