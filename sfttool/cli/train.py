@@ -9,18 +9,6 @@ from sfttool.cli.errors import user_errors
 from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
 
 
-def _worker_args(config, cfg_options, values: dict, flags: dict) -> list[str]:
-    """The same command for each torchrun worker (without --nproc-per-node)."""
-    args = [config]
-    for name, value in values.items():
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    args += [f"--{name.replace('_', '-')}" for name, on in flags.items() if on]
-    for option in cfg_options:
-        args += ["--cfg-options", option]
-    return args
-
-
 @click.command(context_settings=CFG_OPTIONS_CONTEXT)
 @click.argument("config")
 @click.option("--work-dir", default=None, help="Where checkpoints and logs go (default: ./work_dirs/<config name>).")
@@ -46,27 +34,22 @@ def _worker_args(config, cfg_options, values: dict, flags: dict) -> list[str]:
 @click.option("--strict", is_flag=True, default=False,
               help="Make a template that renders differently from the tokenizer's chat_template an error.")
 @user_errors
-def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code, max_steps,
-          dry_run, verbose, strict) -> None:
+def train(config, nproc_per_node, **flags) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""
-    from sfttool.config import ConfigError, load_config
+    from sfttool.config import ConfigError
     from sfttool.engine import launch
+    from sfttool.engine.spec import TrainOptions
 
+    options = TrainOptions(**flags)
     try:
         plan = launch.plan_from_env(nproc_per_node)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if launch.needs_launch(plan):
-        from sfttool.engine.preflight import check_config, check_run
+        from sfttool.engine.train import check
 
-        cfg = load_config(config, list(cfg_options))
-        check_config(cfg)
-        check_run(cfg, work_dir, deepspeed, resume, world_size=plan.world_size)
-        worker_args = _worker_args(config, cfg_options, dict(work_dir=work_dir, deepspeed=deepspeed, resume=resume,
-                                                             seed=seed, max_steps=max_steps),
-                                   dict(trust_remote_code=trust_remote_code, dry_run=dry_run, verbose=verbose,
-                                        strict=strict))
-        code = launch.launch(plan, worker_args)
+        check(config, options, plan.world_size)  # once, here: the processes started do not report again
+        code = launch.launch(plan, [config, *options.command_line()])
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary
             click.echo(f"Stopped by a signal (exit {code}); resume with the same command plus --resume", err=True)
             raise SystemExit(code)
@@ -77,9 +60,7 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
     from sfttool.engine.train import train as run_training
 
     with report_rank_failure():  # in a multi-process run the log names the failing rank
-        out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
-                           cfg_options=list(cfg_options), trust_remote_code=trust_remote_code, max_steps=max_steps,
-                           dry_run=dry_run, verbose=verbose, strict=strict)
+        out = run_training(config, **flags)
     if os.environ.get("RANK", "0") == "0":
-        click.echo("Dry run finished: the config, data and one training step work" if dry_run else
+        click.echo("Dry run finished: the config, data and one training step work" if options.dry_run else
                    f"Training finished; outputs in {out}")

@@ -49,8 +49,7 @@ def validate_config(cfg: Any, path: str = "config") -> list[str]:
     tc = _get(cfg, "train_cfg")
     if isinstance(tc, dict) and tc.get("max_epochs") is None and tc.get("max_iters") is None:
         errors.append(f"{path}: train_cfg: set max_epochs (or max_iters) so the run has a length")
-    from sfttool.dataset.preference import validation_problems
-    return errors + check_arguments(cfg, path) + check_data_paths(cfg, path) + validation_problems(cfg, path)
+    return errors + check_arguments(cfg, path) + check_data_paths(cfg, path)
 
 
 def check_data_paths(cfg: Any, path: str) -> list[str]:

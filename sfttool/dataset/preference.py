@@ -225,23 +225,6 @@ def build_preference_dataset(dataset, tokenizer=None, max_length=None, dataset_m
     return dataset
 
 
-def validation_problems(cfg: Any, path: str) -> list[str]:
-    """A preference config that asks for validation: one line naming the keys (validation measures
-    the SFT token loss, which says nothing about how a model ranks chosen over rejected, so it is
-    refused rather than run or silently skipped)."""
-    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
-    from sfttool.registry import type_name
-
-    if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_preference_dataset"):
-        return []
-    keys = [k for k in ("val_ratio", "val_data_path", "val_dataloader") if cfg.get(k)]
-    if not keys:
-        return []
-    return [f"{path}: {', '.join(keys)}: preference training has no validation yet (the validation loop measures "
-            f"the SFT token loss, not how the model ranks chosen over rejected); remove {' and '.join(keys)} "
-            "(or set them to None)"]
-
-
 def reward_token(is_reward: bool, reward_token_id: int | None) -> int | None:
     """The token reward-model data ends its sequences with; None (XTuner's -1) for none."""
     return reward_token_id if is_reward and reward_token_id is not None and reward_token_id >= 0 else None

@@ -4,7 +4,8 @@ and the hooks, in one place each. ``build_runner`` gives mmengine's ``Runner``,
 or its ``FlexibleRunner`` with a DeepSpeed strategy.
 
 Hooks and loops are assembled in ``hooks`` and ``train_loop_cfg``: a feature
-that adds a hook or a loop adds it there.
+that adds a hook or a loop adds it there. What the run decided (its length, accumulation,
+sequence parallelism, trackers, name) comes from its ``spec.RunSpec``.
 """
 from __future__ import annotations
 
@@ -12,54 +13,50 @@ import contextlib
 import copy
 import functools
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
+from mmengine.logging import MMLogger
+from mmengine.runner import FlexibleRunner, Runner, get_priority
+from mmengine.registry import HOOKS
+
 from sfttool import compat
-from sfttool.engine.preflight import accumulative_counts
-from sfttool.registry import build, resolve_type
+from sfttool.engine.checkpoint import AtomicCheckpointHook, RNGStateHook
+from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
+from sfttool.engine.hooks.plot_hook import LossPlotHook
+from sfttool.engine.hooks.preemption_hook import PreemptionHook
+from sfttool.engine.hooks.progress_hook import ProgressHook
+from sfttool.engine.hooks.stop_hook import StopAfterHook
+from sfttool.engine.nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, guard_optim_wrapper_cfg
+from sfttool.engine.runner import TrainLoop
+from sfttool.engine.schedulers import resolve_param_schedulers
+from sfttool.engine.spec import RunSpec
+from sfttool.engine.tracking import visualizer_cfg
+from sfttool.parallel.groups import get_data_parallel_world_size
+from sfttool.parallel.sampler import train_sampler
+from sfttool.parallel.setup import setup_sequence_parallel
+from sfttool.registry import BUILDER, build, resolve_type
 
 
-@dataclass
-class RunPlan:
-    """What the command line decided about this run, besides the config."""
-    work_dir: Path
-    launcher: str = "none"
-    seed: int = 0
-    name: str = "run"
-    deepspeed: str | None = None
-    resume_from: str | None = None  # a checkpoint already resolved by preflight.resolve_resume
-    max_steps: int | None = None    # stop after this many optimizer steps, with a checkpoint
-    dry_run: bool = False           # one iteration, nothing saved
-    validation: dict = field(default_factory=dict)  # the Runner's val_dataloader/val_cfg/val_evaluator, or {}
-
-
-def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
-    from sfttool.engine.schedulers import resolve_param_schedulers
-    from sfttool.engine.tracking import visualizer_cfg
-    from sfttool.parallel.sequence import setup_sequence_parallel
-
-    setup_sequence_parallel(cfg, model, dataset)  # before the sampler and the loop read the data-parallel ranks
-    per_epoch = iters_per_epoch(cfg, dataset)
+def build_runner(cfg: Any, spec: RunSpec, model: Any, dataset: Any, validation: dict):
+    """The runner of ``spec``'s run: the config's loop, data loader, schedule, optimizer and hooks, the
+    built ``model`` and ``dataset``, and ``validation`` (the Runner's val_* arguments, or {})."""
+    setup_sequence_parallel(spec.sequence_parallel_size, model)  # before the sampler and the loop read the ranks
+    per_epoch = iters_per_epoch(spec, dataset)
     loop = train_loop_cfg(cfg)
     full_run = total_iters(loop, per_epoch)
-    default_hooks, custom_hooks = hooks(cfg, plan, this_run_iters(cfg, plan, full_run))
+    default_hooks, custom_hooks = hooks(cfg, spec, spec.this_run_iters(full_run))
     common = dict(
-        model=model, work_dir=str(plan.work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
+        model=model, work_dir=str(spec.work_dir), train_dataloader=dataloader_cfg(cfg, dataset), train_cfg=loop,
         # the schedule of the full run, also when --max-steps stops early: --resume continues it unchanged
-        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, full_run,
-                                                 accumulative_counts(cfg)),
-        default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=plan.launcher, env_cfg=env_cfg(cfg, plan),
+        param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, full_run, spec.accumulation),
+        default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=spec.launcher, env_cfg=env_cfg(cfg),
         log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
-        visualizer=visualizer_cfg(cfg), randomness=dict(cfg.get("randomness") or {}, seed=plan.seed),
-        resume=plan.resume_from is not None, load_from=plan.resume_from or cfg.get("load_from"), cfg=cfg,
-        experiment_name=plan.name, **plan.validation)
-    if plan.deepspeed:
-        return _deepspeed_runner(cfg, model, plan.deepspeed, common)
-    from mmengine.runner import Runner
-
-    if plan.launcher != "none":  # the Runner reads the wrapper from its cfg
+        visualizer=visualizer_cfg(cfg, spec.trackers), randomness=dict(cfg.get("randomness") or {}, seed=spec.seed),
+        resume=spec.resume_from is not None, load_from=spec.resume_from or cfg.get("load_from"), cfg=cfg,
+        experiment_name=spec.name, **validation)
+    if spec.deepspeed:
+        return _deepspeed_runner(cfg, model, spec, common)
+    if spec.launcher != "none":  # the Runner reads the wrapper from its cfg
         common["cfg"] = cfg = copy.deepcopy(cfg)
         cfg.model_wrapper_cfg = compat.cpu_ddp_wrapper_cfg(cfg.get("model_wrapper_cfg"),
                                                            cfg.get("find_unused_parameters", False))
@@ -82,24 +79,18 @@ def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dic
     if isinstance(sampler, dict) and isinstance(sampler.get("type"), str) and "." in sampler["type"]:
         dl["sampler"] = dict(sampler, type=resolve_type(sampler["type"], f"{key}.sampler.type"))
     if key == "train_dataloader":
-        from sfttool.parallel.setup import train_sampler
-
         dl["sampler"] = train_sampler(dl.get("sampler"))
     return dl
 
 
-def iters_per_epoch(cfg: Any, dataset: Any) -> int:
+def iters_per_epoch(spec: RunSpec, dataset: Any) -> int:
     """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares; the ranks of a
     sequence-parallel group share theirs)."""
-    from sfttool.parallel.groups import get_data_parallel_world_size
-
     share = -(-len(dataset) // get_data_parallel_world_size())
-    return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
+    return max(1, -(-share // spec.batch_size))
 
 
 def train_loop_cfg(cfg: Any) -> dict:
-    from sfttool.engine.runner import TrainLoop
-
     loop = dict(cfg.train_cfg)
     loop["type"] = resolve_type(loop["type"], "train_cfg.type") if "type" in loop else TrainLoop
     return loop
@@ -111,22 +102,11 @@ def total_iters(loop: dict, per_epoch: int) -> int:
     return int(-(-float(loop["max_epochs"]) * per_epoch // 1))
 
 
-def this_run_iters(cfg: Any, plan: RunPlan, full_run: int) -> int:
-    """Iterations this process runs at most: the full run, or what ``--max-steps``/``--dry-run`` allow."""
-    if plan.dry_run:
-        return 1
-    if plan.max_steps:
-        return min(full_run, plan.max_steps * accumulative_counts(cfg))
-    return full_run
-
-
 def optim_wrapper_cfg(cfg: Any) -> dict:
-    from sfttool.engine.nonfinite import guard_optim_wrapper_cfg
-
     return guard_optim_wrapper_cfg(compat.cpu_optim_wrapper_type(dict(cfg.optim_wrapper)))
 
 
-def env_cfg(cfg: Any, plan: RunPlan) -> dict:
+def env_cfg(cfg: Any) -> dict:
     env = dict(cfg.get("env_cfg") or {})
     env["dist_cfg"] = dict(env.get("dist_cfg") or {})
     # on CPU the dumped env names the backend a process group uses there (gloo), not the config's nccl
@@ -138,32 +118,26 @@ def env_cfg(cfg: Any, plan: RunPlan) -> dict:
 # ---------------------------------------------------------------------------
 # Hooks
 
-def hooks(cfg: Any, plan: RunPlan, iterations: int) -> tuple[dict, list]:
+def hooks(cfg: Any, spec: RunSpec, iterations: int) -> tuple[dict, list]:
     """(default_hooks, custom_hooks): the checkpoint hook made atomic, the logger's interval no longer
     than the run, our hooks built with sfttool's builder (their tokenizer configs too), then the
-    hooks every run gets: RNG state for exact resume, progress, preemption, an early stop."""
-    from sfttool.engine.checkpoint import RNGStateHook
-    from sfttool.engine.hooks.progress_hook import ProgressHook
-
+    hooks every run gets: RNG state for exact resume, progress, preemption, a loss plot, an early stop."""
     default = dict(cfg.get("default_hooks") or {})
-    default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), plan)
+    default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), spec)
     interval = _cap_logger_interval(default, iterations)
     default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
     every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom) + _plot_hook(custom)
-    if plan.dry_run or plan.max_steps:
-        from sfttool.engine.hooks.stop_hook import StopAfterHook
-        every_run.append(StopAfterHook(iterations=iterations, save=not plan.dry_run))
+    if spec.dry_run or spec.max_steps:
+        every_run.append(StopAfterHook(iterations=iterations, save=not spec.dry_run))
     return default, custom + every_run
 
 
-def _checkpoint_hook(node: Any, plan: RunPlan) -> Any:
-    from sfttool.engine.checkpoint import AtomicCheckpointHook
-
+def _checkpoint_hook(node: Any, spec: RunSpec) -> Any:
     ckpt = dict(node or {})
     ckpt.pop("type", None)
     ckpt["by_epoch"] = False  # TrainLoop counts iterations
-    if plan.dry_run:  # it writes into a temporary folder anyway: spend no time on it
+    if spec.dry_run:  # it writes into a temporary folder anyway: spend no time on it
         ckpt.update(interval=-1, save_last=False)
     return AtomicCheckpointHook(**ckpt)
 
@@ -183,32 +157,22 @@ def _cap_logger_interval(default: dict, iterations: int) -> int:
 
 def _plot_hook(custom: list) -> list:
     """``work_dir/loss.png`` at the end of every run, unless the config lists its own LossPlotHook."""
-    from sfttool.engine.hooks.plot_hook import LossPlotHook
-
     return [] if any(isinstance(h, LossPlotHook) for h in custom) else [LossPlotHook()]
 
 
 def _preemption_hook(custom: list) -> list:
     """SIGTERM/SIGINT -> checkpoint at the next step boundary, exit 128+signal
     (every run gets it unless the config lists its own)."""
-    from sfttool.engine.hooks.preemption_hook import PreemptionHook
-
     return [] if any(isinstance(h, PreemptionHook) for h in custom) else [PreemptionHook()]
 
 
 def _build_hook(hook: Any, key: str) -> Any:
-    """Through sfttool's ``build`` (errors name the config key), except a bare name of mmengine's
-    hook registry, which only mmengine resolves."""
-    if isinstance(hook, dict) and isinstance(hook.get("type"), str) and "." not in hook["type"]:
-        from mmengine.registry import HOOKS
-
-        from sfttool.registry import BUILDER
-
-        if hook["type"] not in BUILDER and hook["type"] in HOOKS:
-            return hook  # a name only mmengine's own hook registry holds: mmengine builds it
+    """Through sfttool's ``build`` (errors name the config key), except a bare name that only mmengine's
+    hook registry holds, which mmengine builds."""
+    kind = hook.get("type") if isinstance(hook, dict) else None
+    if isinstance(kind, str) and "." not in kind and kind not in BUILDER and kind in HOOKS:
+        return hook
     if isinstance(hook, dict) and "priority" in hook:  # mmengine's key for the runner, not the hook's argument
-        from mmengine.runner import get_priority
-
         hook = dict(hook)
         priority = hook.pop("priority")
         built = build(hook, key)
@@ -220,34 +184,21 @@ def _build_hook(hook: Any, key: str) -> Any:
 # ---------------------------------------------------------------------------
 # DeepSpeed
 
-def _deepspeed_runner(cfg: Any, model: Any, deepspeed: str, common: dict):
-    from mmengine.runner import FlexibleRunner
-
-    from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
-
-    ds = deepspeed_config(deepspeed, cfg)
+def _deepspeed_runner(cfg: Any, model: Any, spec: RunSpec, common: dict):
+    ds = deepspeed_config(spec.deepspeed, cfg, spec.world_size)
     strategy = deepspeed_strategy(ds, lora=bool(getattr(model, "use_lora", False)))
-    return FlexibleRunner(strategy=strategy, optim_wrapper=_guarded(deepspeed_optim_wrapper(dict(cfg.optim_wrapper)),
-                                                                    cfg.optim_wrapper), **common)
+    return FlexibleRunner(strategy=strategy, optim_wrapper=_guarded(
+        deepspeed_optim_wrapper(dict(cfg.optim_wrapper)), cfg.optim_wrapper), **common)
 
 
 def _guarded(ds_wrapper: dict, user_cfg: Any) -> dict:
     """The non-finite loss guard on DeepSpeed's wrapper (counts and stops; DeepSpeed skips)."""
-    from sfttool.engine.nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, guard_optim_wrapper_cfg
-
     limit = user_cfg.get("max_consecutive_nonfinite", DEFAULT_MAX_CONSECUTIVE_NONFINITE)
     return guard_optim_wrapper_cfg(dict(ds_wrapper, max_consecutive_nonfinite=limit))
 
 
 # ---------------------------------------------------------------------------
-# The run's name and its log before the runner exists
-
-def experiment_name(cfg: Any) -> str:
-    """The run's name: the config's (or its ``experiment_name``), numbered from the second run of a
-    process (``compat.numbered_run_name``)."""
-    name = cfg.get("experiment_name") or (Path(cfg.filename).stem if cfg.filename else "run")
-    return compat.numbered_run_name(name)
-
+# The run's log before the runner exists
 
 @contextlib.contextmanager
 def setup_log(name: str) -> Iterator[list]:
@@ -255,8 +206,6 @@ def setup_log(name: str) -> Iterator[list]:
     loading): printed as usual, and kept so the run's log file gets it too. Without it (mmengine 0.10.x:
     ``print_log(logger="current")`` writes to the newest MMLogger, and the run's own exists only once
     the runner is built), a second run in the same process logged its set-up into the first run's file."""
-    from mmengine.logging import MMLogger
-
     records: list = []
     logger = MMLogger.get_instance(f"{name}_setup")
     keeper = logging.Handler()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -158,9 +157,9 @@ def fill_auto(ds: dict, cfg: Any, preset: Path, on_gpu: bool, bf16_ok: bool = Tr
     return ds
 
 
-def deepspeed_config(name_or_path: str, cfg: Any, world_size: int | None = None) -> dict:
-    """Load a preset (or JSON file) and fill it from ``cfg`` for ``world_size`` processes (default: this
-    run's, from ``WORLD_SIZE``; the launcher passes the planned one to check the file before starting)."""
+def deepspeed_config(name_or_path: str, cfg: Any, world_size: int) -> dict:
+    """Load a preset (or JSON file) and fill it from ``cfg`` for ``world_size`` processes (the launcher
+    checks it for the planned number before starting them)."""
     import torch
 
     preset = find_preset(name_or_path)
@@ -170,8 +169,6 @@ def deepspeed_config(name_or_path: str, cfg: Any, world_size: int | None = None)
         raise ConfigError(f"{preset}: not valid JSON ({exc})") from None
     on_gpu = torch.cuda.is_available()
     bf16_ok = on_gpu and torch.cuda.is_bf16_supported()
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE") or 1)  # torchrun sets it in every worker
     return fill_auto(ds, cfg, preset, on_gpu, bf16_ok, world_size)
 
 

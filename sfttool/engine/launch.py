@@ -14,6 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+# Set in the processes the launcher starts: it checked the run for them (``engine.checks``), so they do
+# not report the same findings once each.
+CHECKED_BY_LAUNCHER = "SFTTOOL_CHECKED_BY_LAUNCHER"
+
 
 @dataclass
 class LaunchPlan:
@@ -104,10 +108,11 @@ def torchrun_command(plan: LaunchPlan, train_args: list[str]) -> list[str]:
 
 def worker_env() -> dict:
     """Workers share the CPU cores: without CUDA, one OpenMP thread each unless
-    the user chose (DeepSpeed and gloo DDP are ~50x slower oversubscribed)."""
+    the user chose (DeepSpeed and gloo DDP are ~50x slower oversubscribed).
+    The launcher checked the run before starting them (``CHECKED_BY_LAUNCHER``)."""
     import torch
 
-    env = dict(os.environ)
+    env = dict(os.environ, **{CHECKED_BY_LAUNCHER: "1"})
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,8 +1,8 @@
-"""Everything a run checks or decides before it builds anything expensive: the
-config, the DeepSpeed JSON, the work dir, ``--resume``, the seed, the model's
-dtype on a machine without a GPU, the template against the tokenizer, and (once
-the data is built) that its token ids fit the model. Each check fails with one
-line naming the key or path and the fix.
+"""What a run decides, or checks, on its own before it builds anything expensive: the
+work dir and ``--resume`` (checked with the other rules by ``engine.checks``), the
+seed, the model's dtype on a machine without a GPU, the template against the
+tokenizer, and (once the data is built) that its token ids fit the model. Each
+check fails with one line naming the key or path and the fix.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sfttool.config import ConfigError, validate_config
+from sfttool.config import ConfigError
+from sfttool.config.settings import setting
 from sfttool.model.build import configured_dtype
 
 # On a machine without a GPU a half-precision model is loaded in float32 unless this is set to 1.
@@ -34,16 +35,6 @@ def announce_config(config: str) -> None:
         print(f"[sfttool] executing config {find_config(config)}", flush=True)
 
 
-def check_config(cfg: Any) -> None:
-    """Every problem of the merged config at once, before anything is built."""
-    from sfttool.engine.tracking import check_trackers
-
-    errors = validate_config(cfg, cfg.filename)
-    if errors:
-        raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
-    check_trackers(cfg)  # report_to's packages: one line naming the extra to install
-
-
 def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
     """trust_remote_code is off unless the config or --trust-remote-code asks; warn when on
     (on stderr, before any logger exists: a refused work dir still shows it first)."""
@@ -56,36 +47,22 @@ def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
         warnings.warn(remote_code_warning(allowed), stacklevel=2)
 
 
-def check_run(cfg: Any, work_dir: str | None, deepspeed: str | None, resume: str | None,
-              world_size: int | None = None) -> tuple[Path, str | None]:
-    """What else can fail before anything is built: the DeepSpeed JSON (before the work dir is made,
-    so a refusal leaves nothing behind), the work dir (now, not at the first checkpoint hours later),
-    ``--resume``. Returns the work dir and the checkpoint to resume from. The launcher runs it, after
-    ``check_config``, for the planned ``world_size`` too, so a mistake is reported once rather than
-    once per rank."""
-    if deepspeed:
-        from sfttool.engine.deepspeed import deepspeed_config
-        deepspeed_config(deepspeed, cfg, world_size=world_size)
-    work_dir = resolve_work_dir(cfg, work_dir)
-    check_work_dir(work_dir, resume)
-    return work_dir, resolve_resume(resume, work_dir, deepspeed)
-
-
 def resolve_work_dir(cfg: Any, work_dir: str | None) -> Path:
     """``--work-dir``, else the config's ``work_dir``, else ``./work_dirs/<config name>``."""
-    return Path(work_dir or cfg.get("work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
+    return Path(work_dir or setting(cfg, "work_dir") or Path("work_dirs") / Path(cfg.filename).stem).resolve()
 
 
-def check_work_dir(work_dir: Path, resume: str | None) -> None:
+def check_work_dir(work_dir: Path, resume: str | None, keep: bool = True) -> None:
     """A writable folder, and without an earlier run's checkpoints unless ``--resume``
     continues it: a run started over would overwrite its ``iter_N.pth``,
-    ``last_checkpoint``, dumped config and HF export."""
+    ``last_checkpoint``, dumped config and HF export. ``keep=False`` (a dry run, which
+    saves nothing there): a folder the check had to create is removed again."""
     from sfttool.utils.checkpoint_file import find_latest_checkpoint
     from sfttool.engine.safety import WorkDirError, check_work_dir_writable
 
     if work_dir.is_file():
         raise WorkDirError(f"work dir {work_dir} is a file, not a folder; choose another folder with --work-dir")
-    check_work_dir_writable(work_dir)
+    check_work_dir_writable(work_dir, keep=keep)
     earlier = None if resume else find_latest_checkpoint(work_dir)
     if earlier is not None:
         raise WorkDirError(f"{work_dir} already holds checkpoints of an earlier run (newest: {earlier.name}); "
@@ -118,24 +95,6 @@ def resolve_resume(resume: str | None, work_dir: Path, deepspeed: str | None = N
     return str(path)
 
 
-def accumulative_counts(cfg: Any) -> int:
-    """Iterations per optimizer step."""
-    return (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1
-
-
-def checkpoint_interval_warning(cfg: Any) -> str | None:
-    """A warning when periodic checkpoints fall inside an accumulation window: the gradients gathered
-    since the last optimizer step are not saved, so a resume from such a checkpoint is not exact."""
-    accumulation = accumulative_counts(cfg)
-    interval = ((cfg.get("default_hooks") or {}).get("checkpoint") or {}).get("interval")
-    if isinstance(interval, int) and isinstance(accumulation, int) and interval % accumulation:
-        return (f"default_hooks.checkpoint.interval={interval} is not a multiple of "
-                f"optim_wrapper.accumulative_counts={accumulation}: its checkpoints fall inside an optimizer "
-                "step, and a resume from one drops that step's gathered gradients; use a multiple "
-                f"(e.g. {interval - interval % accumulation or accumulation})")
-    return None
-
-
 def apply_seed(cfg: Any, seed: int) -> None:
     """``--seed``: every seed the config copied from its ``seed`` setting, not only ``randomness.seed``
     (model initialisation, dropout) but the data's too (the dataset's shuffle before packing, subset and
@@ -153,14 +112,6 @@ def apply_seed(cfg: Any, seed: int) -> None:
     cfg.randomness = dict(cfg.get("randomness") or {}, seed=seed)
     walk(cfg.train_dataloader)
     walk(cfg.get("val_dataloader"))  # its validation_split must hold out the rows the training split left out
-
-
-def run_seed(cfg: Any, seed: int | None) -> int:
-    """``--seed``, else ``randomness.seed``, else the config's ``seed``, else 0."""
-    if seed is not None:
-        return seed
-    randomness = cfg.get("randomness") or {}
-    return int(randomness.get("seed") if randomness.get("seed") is not None else cfg.get("seed", 0) or 0)
 
 
 # ---------------------------------------------------------------------------
@@ -181,12 +132,19 @@ def model_cfg_for_device(model_cfg: Any, on_gpu: bool) -> tuple[Any, str | None]
     if os.environ.get(CPU_HALF_PRECISION_ENV) == "1":
         return model_cfg, (f"no GPU: training in {dtype} as the config asks ({CPU_HALF_PRECISION_ENV}=1); "
                            "float32 is about 2x faster on CPU")
+    return model_cfg_in(model_cfg, "float32"), (f"no GPU: the model is loaded in float32, not the config's {dtype} (about 2x faster on "
+                     f"CPU); the export is saved in {dtype}. Set {CPU_HALF_PRECISION_ENV}=1 to train in {dtype}")
+
+
+def model_cfg_in(model_cfg: Any, dtype: str | None) -> Any:
+    """``model_cfg`` loading the LLM in ``dtype``: itself when it does already, else a changed copy."""
+    if dtype is None or configured_dtype(model_cfg) == dtype:
+        return model_cfg
     changed = copy.deepcopy(model_cfg)
     llm = changed["llm"]
     llm.pop("torch_dtype", None)
-    llm["dtype"] = "float32"
-    return changed, (f"no GPU: the model is loaded in float32, not the config's {dtype} (about 2x faster on "
-                     f"CPU); the export is saved in {dtype}. Set {CPU_HALF_PRECISION_ENV}=1 to train in {dtype}")
+    llm["dtype"] = dtype
+    return changed
 
 
 # ---------------------------------------------------------------------------

@@ -16,13 +16,18 @@ from sfttool.registry import build
 PREPROCESS_TIMEOUT_S = float(os.environ.get("SFTTOOL_PREPROCESS_TIMEOUT", 6 * 3600))
 
 
+def world_size_from_env() -> int:
+    """The processes of this run: torchrun sets ``WORLD_SIZE`` in each; 1 without it."""
+    return int(os.environ.get("WORLD_SIZE") or 1)
+
+
 def init_distributed(cfg: Any, deepspeed: bool) -> str:
     """Create the process group when there is more than one process (or for
     DeepSpeed, which always needs one); return mmengine's launcher name."""
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
     if world == 1 and not deepspeed:
         return "none"
     if not dist.is_initialized():

@@ -27,16 +27,18 @@ class WorkDirError(SfttoolError, OSError):
 
 
 
-def check_work_dir_writable(work_dir: str | os.PathLike, need_bytes: int = 0) -> Path:
+def check_work_dir_writable(work_dir: str | os.PathLike, need_bytes: int = 0, keep: bool = True) -> Path:
     """Create ``work_dir`` if needed and prove a file can be written, synced and removed there.
 
     ``need_bytes`` (e.g. one checkpoint's size) is also checked against the free space.
+    ``keep=False``: the folders this call created are removed again afterwards.
 
     >>> check_work_dir_writable('/tmp/run1')
     PosixPath('/tmp/run1')
     """
     path = Path(work_dir).expanduser()
     fix = "choose another folder with --work-dir, or fix its permissions / free some space"
+    created = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
@@ -49,6 +51,9 @@ def check_work_dir_writable(work_dir: str | os.PathLike, need_bytes: int = 0) ->
     except OSError as exc:
         raise WorkDirError(f"work dir {path} is not writable: {_os_error_text(exc)}; {fix}") from None
     free = shutil.disk_usage(path).free
+    if not keep:
+        for folder in created:  # empty: the probe file is gone
+            folder.rmdir()
     if need_bytes and free < need_bytes:
         raise WorkDirError(f"work dir {path} has {free / 2**20:.0f} MiB free but one checkpoint needs about "
                            f"{need_bytes / 2**20:.0f} MiB; {fix}")

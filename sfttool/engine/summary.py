@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sfttool.engine.assemble import RunPlan, iters_per_epoch, this_run_iters, total_iters, train_loop_cfg
-from sfttool.engine.preflight import accumulative_counts
-from sfttool.parallel.setup import sequence_parallel_size
+from sfttool.engine.assemble import iters_per_epoch, total_iters, train_loop_cfg
+from sfttool.engine.spec import RunSpec
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -63,7 +62,7 @@ def model_source(cfg: Any, model: Any) -> str:
     return str(loaded) if loaded else "the model"
 
 
-def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: int = 1) -> str:
+def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
     import torch
 
     from sfttool.model.hf_folder import export_folder_name
@@ -72,13 +71,13 @@ def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: 
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "?")
     device = "GPU" if torch.cuda.is_available() else "CPU"
     trained, total = count_parameters(model)
-    batch, accum = int(cfg.train_dataloader.get("batch_size", 1)), accumulative_counts(cfg)
+    batch, accum, world_size = spec.batch_size, spec.accumulation, spec.world_size
     rows, tokens = len(dataset), dataset_tokens(dataset)
-    per_epoch = iters_per_epoch(cfg, dataset)
+    per_epoch = iters_per_epoch(spec, dataset)
     full = total_iters(train_loop_cfg(cfg), per_epoch)
-    iterations = this_run_iters(cfg, plan, full)
+    iterations = spec.this_run_iters(full)
     # The ranks of one sequence-parallel group share each row: rows per step grow with the groups.
-    sp = sequence_parallel_size(cfg)
+    sp = spec.sequence_parallel_size
     groups = max(world_size // sp, 1)
     processes = f"{world_size} process{'es' if world_size != 1 else ''}"
     if sp > 1:
@@ -92,23 +91,23 @@ def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: 
     steps = (f"{iterations:,} iterations = {-(-iterations // accum):,} optimizer steps = {epochs:g} "
              f"epoch{'' if epochs == 1 else 's'}")
     if iterations < full:
-        steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if plan.dry_run else " (--max-steps)")
-    outputs = (f"Dry run: nothing is saved (checked {plan.work_dir})" if plan.dry_run else
-               f"Outputs in {plan.work_dir} (checkpoints, log, config); the "
+        steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if spec.dry_run else " (--max-steps)")
+    outputs = (f"Dry run: nothing is saved (checked {spec.work_dir})" if spec.dry_run else
+               f"Outputs in {spec.work_dir} (checkpoints, log, config); the "
                f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
-               f"{plan.work_dir / export_folder_name(model)}")
+               f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
             f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %). {data}. {steps}. "
             f"{outputs}.")
 
 
-def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, plan: RunPlan) -> None:
+def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> None:
     """Log the summary (the log file keeps it); print it when the terminal shows no INFO lines."""
-    from mmengine.dist import get_world_size, is_main_process
+    from mmengine.dist import is_main_process
 
     from sfttool import compat
 
-    text = summary_text(cfg, model, dataset, plan, get_world_size())
+    text = summary_text(cfg, model, dataset, spec)
     runner.logger.info(text)
     if is_main_process() and not compat.console_is_verbose():
         print(f"[sfttool] {text}", flush=True)

@@ -56,9 +56,10 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def visualizer_cfg(cfg: Any) -> Any:
+def visualizer_cfg(cfg: Any, trackers: tuple[str, ...]) -> Any:
     """The Runner's ``visualizer``: the config's own (mmengine's ``Visualizer`` becomes
-    ``TrackingVisualizer``) or a new one, with ``LocalVisBackend`` and a backend per ``report_to`` name."""
+    ``TrackingVisualizer``) or a new one, with ``LocalVisBackend`` and a backend per tracker
+    (``report_to``'s names, ``RunSpec.trackers``)."""
     own = cfg.get("visualizer")
     if own is not None and not isinstance(own, dict):
         return own  # a built visualizer: used as it is
@@ -68,7 +69,7 @@ def visualizer_cfg(cfg: Any) -> Any:
     backends = [dict(b, type=MLflowBackend) if isinstance(b, dict) and type_name(b.get("type")) == "MLflowVisBackend"
                 else b for b in visualizer.get("vis_backends") or []]  # MLflow 3 refuses mmengine's default store
     present = {type_name(b.get("type")) for b in backends if isinstance(b, dict)}
-    for backend in [LocalVisBackend] + [TRACKERS[n][0] for n in tracker_names(cfg.get("report_to"))]:
+    for backend in [LocalVisBackend] + [TRACKERS[n][0] for n in trackers]:
         if backend.__name__ not in present:
             backends.append(dict(type=backend))
             present.add(backend.__name__)

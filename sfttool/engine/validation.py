@@ -22,12 +22,19 @@ import math
 from typing import Any, Sequence
 
 import torch
+from mmengine.dist import all_gather_object
 from mmengine.evaluator import BaseMetric
+from mmengine.logging import print_log
 from mmengine.runner import ValLoop as MMValLoop
 from mmengine.runner.base_loop import BaseLoop
 
+from sfttool.engine.assemble import dataloader_cfg
+from sfttool.engine.processes import build_dataset_rank0_first
+from sfttool.engine.runner import unwrap_model
+from sfttool.engine.spec import RunSpec
 from sfttool.errors import SfttoolError
 from sfttool.registry import BUILDER, resolve_type
+from sfttool.utils.checkpoint_file import find_best_checkpoint, load_checkpoint
 
 
 class ValidationError(SfttoolError, ValueError):
@@ -55,8 +62,6 @@ class ValLossMetric(BaseMetric):
         """``BaseMetric.evaluate`` with the rows gathered by ``all_gather_object``: mmengine's CPU
         collection writes every rank's rows to ``./.dist_test`` for rank 0 to read, which leaves that
         folder in the working directory and needs a file system shared by every node."""
-        from mmengine.dist import all_gather_object
-
         parts = all_gather_object(list(self.results))  # [rank][row]: rank r holds rows r, r + world, ...
         rows = [row for round_ in itertools.zip_longest(*parts) for row in round_ if row is not None][:size]
         self.results.clear()
@@ -100,8 +105,6 @@ class ValLoop(MMValLoop):
 
     @torch.no_grad()
     def run_iter(self, idx: int, data_batch: dict) -> None:
-        from sfttool.engine.runner import unwrap_model
-
         self.runner.call_hook("before_val_iter", batch_idx=idx, data_batch=data_batch)
         model = unwrap_model(self.runner.model)
         data = model.data_preprocessor(data_batch, False)["data"]  # to the model's device
@@ -122,25 +125,10 @@ class ValLoop(MMValLoop):
         return torch.autocast(device_type=device, dtype=dtype)
 
 
-def validation_enabled(cfg: Any) -> bool:
-    """A ``val_dataloader`` is set, and -- in a config with PART 1's ``val_data_path`` / ``val_ratio`` --
-    one of them gives it rows."""
-    if cfg.get("val_dataloader") is None:
-        return False
-    if "val_ratio" in cfg or "val_data_path" in cfg:
-        return bool(cfg.get("val_data_path") or cfg.get("val_ratio"))
-    return True
-
-
-def validation_runner_args(cfg: Any) -> dict:
+def validation_runner_args(cfg: Any, spec: RunSpec) -> dict:
     """The Runner's ``val_dataloader`` (its dataset built, rank 0 first, as the training set),
-    ``val_cfg`` and ``val_evaluator``; {} when the config validates nothing."""
-    from mmengine.logging import print_log
-
-    from sfttool.engine.processes import build_dataset_rank0_first
-    from sfttool.engine.assemble import dataloader_cfg
-
-    if not validation_enabled(cfg):
+    ``val_cfg`` and ``val_evaluator``; {} when the run validates nothing."""
+    if not spec.validation:
         return {}
     dataset = build_dataset_rank0_first(cfg.val_dataloader.dataset)
     if len(dataset) == 0:
@@ -152,17 +140,12 @@ def validation_runner_args(cfg: Any) -> dict:
                 val_evaluator=cfg.get("val_evaluator") or dict(type=ValLossMetric))
 
 
-def restore_best_weights(runner: Any, cfg: Any) -> Any:
+def restore_best_weights(runner: Any, spec: RunSpec) -> Any:
     """``export_best = True`` (PART 1): before the end-of-training HF export, load the weights of the
     best validation (the checkpoint ``work_dir/best_checkpoint`` names) into the model, so
     ``hf_adapter/`` / ``hf_model/`` hold them instead of the last weights. Returns the checkpoint used,
     or None (not asked, or no best checkpoint: the last weights are exported, with a warning)."""
-    from mmengine.logging import print_log
-
-    from sfttool.utils.checkpoint_file import find_best_checkpoint, load_checkpoint
-    from sfttool.engine.runner import unwrap_model
-
-    if not cfg.get("export_best"):
+    if not spec.export_best:
         return None
     best = find_best_checkpoint(runner.work_dir)
     if best is None or best.is_dir():  # a folder (DeepSpeed's sharded save): `convert pth_to_hf --best` reads it

@@ -77,7 +77,7 @@ def test_seed_flag_reaches_every_seed_the_config_copied():
 
 def test_checkpoints_inside_an_accumulation_window_are_warned_about():
     from sfttool.config import load_config
-    from sfttool.engine.preflight import checkpoint_interval_warning
+    from sfttool.engine.checks import checkpoint_interval_warning
     name = "qwen2_5_0_5b_instruct_lora_alpaca_e3"
     assert checkpoint_interval_warning(load_config(name)) is None  # the built-ins save on step boundaries
     message = checkpoint_interval_warning(load_config(name, ["default_hooks.checkpoint.interval=500"]))
@@ -85,11 +85,11 @@ def test_checkpoints_inside_an_accumulation_window_are_warned_about():
                               "optim_wrapper.accumulative_counts=16") and message.endswith("(e.g. 496)")
 
 
-def test_each_run_of_a_process_gets_its_own_experiment_name(tiny_cfg):
+def test_each_run_of_a_process_gets_its_own_experiment_name(tmp_path, tiny_cfg):
     from sfttool.config import load_config
-    from sfttool.engine.assemble import experiment_name
+    from sfttool.engine.spec import TrainOptions, build_spec
     cfg = load_config(tiny_cfg)
-    first, second = experiment_name(cfg), experiment_name(cfg)
+    first, second = (build_spec(cfg, TrainOptions(work_dir=str(tmp_path)), 1).name for _ in range(2))
     assert first != second and second.startswith("tiny_run")
 
 
@@ -213,8 +213,8 @@ def test_a_deepspeed_json_that_does_not_fit_fails_before_launching_and_before_th
 
 
 def test_worker_command_line(monkeypatch):
-    from sfttool.cli.train import _worker_args
     from sfttool.engine.launch import plan_from_env, torchrun_command
+    from sfttool.engine.spec import TrainOptions
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for name, value in (("NPROC_PER_NODE", "4"), ("NNODES", "2"), ("NODE_RANK", "1"), ("ADDR", "10.0.0.1"),
@@ -223,10 +223,18 @@ def test_worker_command_line(monkeypatch):
     plan = plan_from_env()
     assert (plan.nproc_per_node, plan.world_size) == (4, 8)
     assert plan_from_env(nproc_per_node=2).nproc_per_node == 2  # the flag wins over the environment
-    args = _worker_args("cfg.py", ("a=1",), dict(work_dir="wd", deepspeed="zero2", resume="auto", seed=5,
-                                                 max_steps=3), dict(dry_run=False, verbose=True, strict=True))
+    options = TrainOptions(work_dir="wd", deepspeed="zero2", resume="auto", seed=5, cfg_options=("a=1", "b=[1,2]"),
+                           max_steps=3, dry_run=False, verbose=True, strict=True)
+    args = ["cfg.py", *options.command_line()]
     assert args == ["cfg.py", "--work-dir", "wd", "--deepspeed", "zero2", "--resume", "auto", "--seed", "5",
-                    "--max-steps", "3", "--verbose", "--strict", "--cfg-options", "a=1"]
+                    "--cfg-options", "a=1", "--cfg-options", "b=[1,2]", "--max-steps", "3", "--verbose", "--strict"]
+    # what each process parses back is the same options
+    parsed = {}
+    train_command = next(c for c in cli.commands.values() if c.name == "train")
+    with train_command.make_context("train", args) as ctx:
+        parsed = dict(ctx.params)
+    assert parsed.pop("config") == "cfg.py" and parsed.pop("nproc_per_node") is None
+    assert TrainOptions(**dict(parsed, cfg_options=tuple(parsed["cfg_options"]))) == options
     cmd = torchrun_command(plan, args)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--master-addr=10.0.0.1" in cmd
@@ -299,14 +307,14 @@ def test_the_terminal_shows_the_summary_and_progress_and_the_log_file_the_rest(t
 
 
 @pytest.mark.slow
-def test_dry_run_runs_one_iteration_and_leaves_the_work_dir_empty(tmp_path, tiny_cfg):
-    work = tmp_path / "work"
+def test_dry_run_runs_one_iteration_and_leaves_no_work_dir_behind(tmp_path, tiny_cfg):
+    work = tmp_path / "work" / "run"
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--dry-run", "--verbose"])
     assert result.exit_code == 0, result.output
     assert [line.split(" | ")[0] for line in result.output.splitlines() if _progress(line)] == ["iter 1/1 100%"]
     assert "Hooks will be executed in the following order" in result.output  # --verbose
     assert result.output.rstrip().endswith("Dry run finished: the config, data and one training step work")
-    assert list(work.rglob("*")) == []
+    assert list(tmp_path.iterdir()) == [tiny_cfg]  # neither the work dir nor the folder above it, both made by it
     again = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--max-steps", "1"])
     assert again.exit_code == 0, again.output  # nothing left behind to refuse
     assert sorted(p.name for p in work.glob("iter_*")) == ["iter_2.pth"]

@@ -33,16 +33,17 @@ def test_tokens_per_step_count_each_sequence_parallel_row_once(tmp_path, tiny_qw
     sequence_parallel_size=2 take 2 rows per micro-batch, not 4."""
     from datasets import Dataset
 
-    from sfttool.engine.assemble import RunPlan
+    from sfttool.engine.spec import TrainOptions, build_spec
     from sfttool.engine.summary import summary_text
     model = _model(tiny_qwen2_dir)
     rows = Dataset.from_dict({"input_ids": [[1] * 100, [2] * 300]})  # 200 tokens a row on average
     cfg = Config(dict(model=dict(llm=dict(pretrained_model_name_or_path="m")), accumulative_counts=3,
                       train_dataloader=dict(batch_size=1), train_cfg=dict(max_iters=6),
                       optim_wrapper=dict(accumulative_counts=3)))
-    plain = summary_text(cfg, model, rows, RunPlan(work_dir=tmp_path), world_size=4)
+    options = TrainOptions(work_dir=str(tmp_path))
+    plain = summary_text(cfg, model, rows, build_spec(cfg, options, world_size=4))
     assert "about 2,400 tokens per optimizer step (batch 1 x 3 accumulation x 4 processes)" in plain
     cfg.sequence_parallel_size = 2
-    split = summary_text(cfg, model, rows, RunPlan(work_dir=tmp_path), world_size=4)
+    split = summary_text(cfg, model, rows, build_spec(cfg, options, world_size=4))
     assert ("about 1,200 tokens per optimizer step (batch 1 x 3 accumulation x 2 data-parallel groups of 2 "
             "sequence-parallel processes)") in split

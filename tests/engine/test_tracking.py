@@ -177,15 +177,15 @@ def test_report_to_names_become_backends():
     from mmengine.config import Config
     from mmengine.visualization import LocalVisBackend, TensorboardVisBackend, Visualizer, WandbVisBackend
 
-    cfg = tracking.visualizer_cfg(Config(dict(report_to=["tensorboard", "none"])))
+    assert tracking.tracker_names(["tensorboard", "none"]) == ["tensorboard"]
+    cfg = tracking.visualizer_cfg(Config(), ("tensorboard",))
     assert cfg["type"] is tracking.TrackingVisualizer
     assert [b["type"] for b in cfg["vis_backends"]] == [LocalVisBackend, TensorboardVisBackend]
-    assert [b["type"] for b in tracking.visualizer_cfg(Config(dict(report_to="none")))["vis_backends"]] == \
-        [LocalVisBackend]
+    assert tracking.tracker_names("none") == []
+    assert [b["type"] for b in tracking.visualizer_cfg(Config(), ())["vis_backends"]] == [LocalVisBackend]
     # a config's own (lazily built) visualizer keeps its backends, gains report_to's and the plain config
-    own = Config(dict(visualizer=dict(type=Visualizer, vis_backends=[dict(type=WandbVisBackend)]),
-                      report_to=["wandb"]))
-    cfg = tracking.visualizer_cfg(own)
+    own = Config(dict(visualizer=dict(type=Visualizer, vis_backends=[dict(type=WandbVisBackend)])))
+    cfg = tracking.visualizer_cfg(own, ("wandb",))
     assert cfg["type"] is tracking.TrackingVisualizer
     assert [b["type"] for b in cfg["vis_backends"]] == [WandbVisBackend, LocalVisBackend]
 

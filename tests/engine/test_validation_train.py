@@ -104,13 +104,15 @@ def test_the_patience_count_survives_resume(tmp_path, tiny_config):
 def test_validation_is_off_without_val_data(tmp_path, tiny_config):
     from mmengine.config import Config
 
-    from sfttool.engine.validation import validation_enabled, validation_runner_args
+    from sfttool.engine.spec import RunSpec, validation_enabled
+    from sfttool.engine.validation import validation_runner_args
 
     cfg = Config.fromfile(str(validation_config(tiny_config)))
     assert validation_enabled(cfg)
     cfg.val_ratio = 0
     cfg.val_data_path = None
-    assert not validation_enabled(cfg) and validation_runner_args(cfg) == {}
+    assert not validation_enabled(cfg)
+    assert validation_runner_args(cfg, RunSpec(work_dir=tmp_path, validation=False)) == {}
 
 
 def test_seed_reseeds_both_parts_of_the_split(tiny_config):

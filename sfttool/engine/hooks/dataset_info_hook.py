@@ -17,7 +17,7 @@ from sfttool.utils.constants import IGNORE_INDEX
 
 
 def configured_max_length(cfg: Any) -> int | None:
-    """The ``max_length`` the training dataset was processed to, when the config says it."""
+    """The ``max_length`` the training dataset is processed to, when the config says it."""
     dataset_cfg = ((cfg or {}).get("train_dataloader") or {}).get("dataset") or {}
     value = dataset_cfg.get("max_length") if isinstance(dataset_cfg, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,222 @@
+"""Every rule of a run that ties settings together, in one module: checked before any process group,
+dataset or model exists, and every problem reported at once.
+
+    report(run_checks(cfg, options, world_size))     # raises when the run cannot start
+
+What each rule compares: the config's own keys (``config.validate``: required keys, argument names,
+data files); the trackers ``report_to`` names against what is installed; preference training against
+validation; each dataset builder's settings against each other (its own checks, run early);
+``sequence_parallel_size`` against the sampler, validation, a streamed dataset, the model
+type and the number of processes; the ``--deepspeed`` preset against the optimizer wrapper and the
+batch; ``--resume`` against the work dir and ``--deepspeed``; the work dir itself (checked last: it is
+created then, so a refused run leaves none); and, as a warning, the checkpoint interval against the
+accumulation.
+
+Three rules need what is built, and run where it first exists (``engine.train``): the model's
+attention heads against ``sequence_parallel_size`` (``check_built_model``), the data's token ids
+against the embedding table (``preflight.check_vocabulary``) and the template against the tokenizer
+(``preflight.check_template``).
+
+With ``--nproc-per-node`` the launching process checks once, for the planned number of processes; the
+processes it starts do not report again (``CHECKED_BY_LAUNCHER``).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sfttool.config import ConfigError, validate_config
+from sfttool.config.arguments import typed_nodes
+from sfttool.config.settings import setting
+from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
+from sfttool.dataset.pipeline import process_hf_dataset
+from sfttool.dataset.streaming import StreamingPackedDataset, refuse_changed_results
+from sfttool.dataset.streaming import check_settings as check_stream_settings
+from sfttool.engine.deepspeed import deepspeed_config
+from sfttool.engine.launch import CHECKED_BY_LAUNCHER
+from sfttool.engine.preflight import check_work_dir, resolve_resume, resolve_work_dir, warn
+from sfttool.engine.spec import TrainOptions, accumulative_counts, validation_enabled
+from sfttool.engine.tracking import check_trackers
+from sfttool.errors import SfttoolError
+from sfttool.model.sft import SupervisedFinetune
+from sfttool.parallel.groups import SequenceParallelError, check_world_size
+from sfttool.parallel.sampler import shares_rows_by_group
+from sfttool.registry import ConfigBuildError, resolve_type, type_name
+
+@dataclass
+class Findings:
+    errors: list[SfttoolError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
+    """Every rule that can be checked before anything is built, for ``world_size`` processes."""
+    found = Findings()
+    found.errors += [ConfigError(line) for line in validate_config(cfg, cfg.filename)]
+    _collect(found.errors, check_trackers, cfg)
+    found.errors += [ConfigError(line) for line in preference_validation_problems(cfg, cfg.filename)]
+    found.errors += dataset_setting_problems(cfg)
+    found.errors += sequence_parallel_problems(cfg, world_size)
+    if options.deepspeed:
+        _collect(found.errors, deepspeed_config, options.deepspeed, cfg, world_size=world_size)
+    work_dir = resolve_work_dir(cfg, options.work_dir)
+    _collect(found.errors, resolve_resume, options.resume, work_dir, options.deepspeed)
+    if not found.errors:  # only now: checking the work dir creates it (a dry run's is removed again)
+        _collect(found.errors, check_work_dir, work_dir, options.resume, not options.dry_run)
+    found.warnings += [w for w in (checkpoint_interval_warning(cfg),) if w]
+    return found
+
+
+def report(found: Findings) -> None:
+    """The warnings, then the errors: one as it is, several as one error listing each."""
+    for warning in found.warnings:
+        warn(warning)
+    if len(found.errors) == 1:
+        raise found.errors[0]
+    if found.errors:
+        nested = ("\n    ".join(line.strip() for line in str(e).splitlines()) for e in found.errors)
+        raise ConfigError("the run has problems:\n  " + "\n  ".join(nested))
+
+
+def checked_by_launcher() -> bool:
+    return os.environ.get(CHECKED_BY_LAUNCHER) == "1"
+
+
+def _collect(errors: list, check: Callable, *args: Any, **kwargs: Any) -> None:
+    """Run a check that raises its one problem; keep the problem."""
+    try:
+        check(*args, **kwargs)
+    except SfttoolError as exc:
+        errors.append(exc)
+
+
+# ---------------------------------------------------------------------------
+# The rules.
+
+def preference_validation_problems(cfg: Any, path: str) -> list[str]:
+    """A preference config that asks for validation: one line naming the keys (validation measures
+    the SFT token loss, which says nothing about how a model ranks chosen over rejected, so it is
+    refused rather than run or silently skipped)."""
+    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
+    if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_preference_dataset"):
+        return []
+    keys = [k for k in ("val_ratio", "val_data_path", "val_dataloader") if cfg.get(k)]
+    if not keys:
+        return []
+    return [f"{path}: {', '.join(keys)}: preference training has no validation yet (the validation loop measures "
+            f"the SFT token loss, not how the model ranks chosen over rejected); remove {' and '.join(keys)} "
+            "(or set them to None)"]
+
+
+def _check_pipeline(a: dict) -> None:
+    check_pipeline_settings(a["max_length"], a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"],
+                            a["with_image_token"], a["max_dataset_length"])
+
+
+def _check_stream(a: dict) -> None:
+    refuse_changed_results(a["max_dataset_length"], a["rename_maps"], a["do_dataset_tokenization"])
+    check_stream_settings(a["max_length"], a["buffer_size"], a["encode_chunk"], a["rows_per_epoch"],
+                          a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], a["with_image_token"])
+
+
+# The dataset builders' own checks of their settings (run again when the dataset is built), and what they read.
+_SETTINGS = ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy", "with_image_token",
+             "max_dataset_length")
+DATASET_SETTING_CHECKS = {
+    process_hf_dataset: (_check_pipeline, _SETTINGS),
+    StreamingPackedDataset: (_check_stream, _SETTINGS + ("rename_maps", "do_dataset_tokenization", "buffer_size",
+                                                         "encode_chunk", "rows_per_epoch")),
+}
+
+
+def dataset_setting_problems(cfg: Any) -> list[SfttoolError]:
+    """The settings of every ``process_hf_dataset`` / ``StreamingPackedDataset`` node, checked now (with the
+    builder's defaults for what the node leaves out) instead of once its dataset is built, after the process
+    group exists. A setting the config builds lazily (a typed node) is left to the builder. A problem the
+    validation set's copy of the settings repeats is said once, for the first key."""
+    problems: dict[str, SfttoolError] = {}
+    for key, node, fn, _ in typed_nodes(cfg):
+        check, names = DATASET_SETTING_CHECKS.get(fn, (None, ()))
+        defaults = {n: p.default for n, p in inspect.signature(fn).parameters.items()} if check else {}
+        args = {name: node.get(name, defaults.get(name)) for name in names}
+        if check is not None and not any(isinstance(v, dict) and "type" in v for v in args.values()):
+            found: list[SfttoolError] = []
+            _collect(found, check, args)
+            for error in found:
+                problems.setdefault(str(error), type(error)(f"{key}: {error}"))
+    return list(problems.values())
+
+
+def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
+    """``sequence_parallel_size`` against the sampler, validation, the dataset, the model and the
+    number of processes."""
+    size = setting(cfg, "sequence_parallel_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return [SequenceParallelError(f"sequence_parallel_size must be a positive integer (1: off), got {size!r}")]
+    if size == 1:
+        return []
+    problems: list[SfttoolError] = []
+    loader = cfg.get("train_dataloader") or {}
+    if not shares_rows_by_group((loader.get("sampler") or {}).get("type")):
+        problems.append(SequenceParallelError(
+            f"sequence_parallel_size={size} needs train_dataloader.sampler = dict(type=SequenceParallelSampler, "
+            "seed=None, shuffle=True) (from sfttool.parallel.sequence), so the ranks of a group read the same rows"))
+    if validation_enabled(cfg):
+        problems.append(SequenceParallelError(f"validation does not run with sequence_parallel_size={size}: "
+                                              "set val_ratio = 0 and val_data_path = None (or val_dataloader = None)"))
+    if _is_a(_type_of(loader.get("dataset")), torch.utils.data.IterableDataset):  # a stream shares rows by rank
+        problems.append(SequenceParallelError(f"sequence_parallel_size={size} needs a map-style dataset: "
+                                              "turn streaming off in train_dataloader.dataset"))
+    model = _type_of(cfg.get("model"))
+    if isinstance(model, type) and not (issubclass(model, SupervisedFinetune)
+                                        and model.compute_loss is SupervisedFinetune.compute_loss):
+        problems.append(SequenceParallelError(f"model.type={model.__name__} does not train with sequence "
+                                              "parallelism (SupervisedFinetune does): set sequence_parallel_size = 1"))
+    _collect(problems, check_world_size, size, world_size)
+    return problems
+
+
+def checkpoint_interval_warning(cfg: Any) -> str | None:
+    """A warning when periodic checkpoints fall inside an accumulation window: the gradients gathered
+    since the last optimizer step are not saved, so a resume from such a checkpoint is not exact."""
+    accumulation = accumulative_counts(cfg)
+    interval = ((cfg.get("default_hooks") or {}).get("checkpoint") or {}).get("interval")
+    if isinstance(interval, int) and isinstance(accumulation, int) and interval % accumulation:
+        return (f"default_hooks.checkpoint.interval={interval} is not a multiple of "
+                f"optim_wrapper.accumulative_counts={accumulation}: its checkpoints fall inside an optimizer "
+                "step, and a resume from one drops that step's gathered gradients; use a multiple "
+                f"(e.g. {interval - interval % accumulation or accumulation})")
+    return None
+
+
+def check_built_model(model: Any, size: int) -> None:
+    """What needs the built model: under sequence parallelism its attention heads (and key/value heads)
+    divide among the ranks of a group."""
+    if size == 1:
+        return
+    config = model.llm.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise SequenceParallelError(f"sequence_parallel_size={size} must divide the model's attention heads "
+                                    f"({heads}) and key/value heads ({kv_heads}): choose a divisor of both")
+
+
+def _type_of(node: Any) -> Any:
+    """The class or function a config node's ``type`` names, or None (unset, or unknown: the config
+    check names it)."""
+    kind = node.get("type") if isinstance(node, dict) else None
+    if kind is None:
+        return None
+    try:
+        return resolve_type(kind)
+    except ConfigBuildError:
+        return None
+
+
+def _is_a(kind: Any, base: type) -> bool:
+    return isinstance(kind, type) and issubclass(kind, base)

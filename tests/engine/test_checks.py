@@ -1,0 +1,146 @@
+"""The run's rules in one place (``engine.checks``): every problem at once, before anything is built;
+the launcher checks once and the processes it starts do not report again."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from mmengine.config import Config
+
+from engine_helpers import write_config
+from sfttool.config import ConfigError, load_config
+from sfttool.dataset import build_preference_dataset, process_hf_dataset
+from sfttool.engine import checks
+from sfttool.engine.safety import check_work_dir_writable
+from sfttool.engine.spec import TrainOptions
+
+
+def _preference_config(dataset_type, **extra) -> dict:
+    return dict(model=dict(type="DPO"), optim_wrapper=dict(optimizer=dict(lr=1e-4)), train_cfg=dict(max_epochs=1),
+                train_dataloader=dict(batch_size=1, dataset=dict(type=dataset_type)), **extra)
+
+
+@pytest.mark.parametrize("extra,keys", [
+    (dict(val_ratio=0.1), "val_ratio"),
+    (dict(val_data_path="val.jsonl", val_dataloader=dict(batch_size=1)), "val_data_path, val_dataloader"),
+])
+def test_validation_settings_in_a_preference_config_are_one_line_errors(extra, keys):
+    """The validation loop measures the SFT token loss, which says nothing about ranking chosen over rejected."""
+    for dataset_type in (build_preference_dataset, "sfttool.dataset.build_preference_dataset"):
+        errors = checks.preference_validation_problems(_preference_config(dataset_type, **extra), "dpo.py")
+        assert errors == [f"dpo.py: {keys}: preference training has no validation yet (the validation loop "
+                          "measures the SFT token loss, not how the model ranks chosen over rejected); remove "
+                          f"{keys.replace(', ', ' and ')} (or set them to None)"]
+
+
+def test_unset_validation_and_sft_configs_pass():
+    assert checks.preference_validation_problems(
+        _preference_config(build_preference_dataset, val_ratio=None, val_data_path=None), "dpo.py") == []
+    assert checks.preference_validation_problems(_preference_config(process_hf_dataset, val_ratio=0.1), "sft.py") == []
+
+
+@pytest.fixture
+def tiny(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl):
+    return write_config(tmp_path / "tiny.py", tiny_qwen2_dir, tiny_sft_jsonl, max_epochs=0.2, save_steps=4)
+
+
+def test_every_problem_of_the_run_is_reported_at_once_and_nothing_is_made(tmp_path, tiny):
+    """A config mistake, a sequence-parallel one, a DeepSpeed preset and --resume: one error naming
+    each, before anything is built, and no work dir."""
+    preset = tmp_path / "ds.json"
+    preset.write_text(json.dumps({"train_batch_size": 3, "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}))
+    cfg = load_config(str(tiny), ["train_dataloader.batch_size=0", "sequence_parallel_size=2"])
+    work = tmp_path / "work"
+    found = checks.run_checks(cfg, TrainOptions(work_dir=str(work), deepspeed=str(preset), resume="auto"), 1)
+    messages = [str(e) for e in found.errors]
+    assert messages[0] == f"{tiny}: train_dataloader.batch_size: must be a positive integer, got 0"
+    assert messages[1].startswith("sequence_parallel_size=2 must divide the number of processes (1)")
+    assert messages[2].startswith(f"the DeepSpeed config {preset} does not fit the training config:\n  ")
+    assert messages[3] == f"--resume: no checkpoint (iter_*.pth) in {work}; train without --resume or pass a " \
+                          "checkpoint path"
+    assert len(messages) == 4 and not work.exists()
+    with pytest.raises(ConfigError) as error:
+        checks.report(found)
+    lines = str(error.value).splitlines()
+    assert lines[0] == "the run has problems:" and lines[1] == f"  {messages[0]}"
+    assert lines[4] == f"    {messages[2].splitlines()[1].strip()}"  # the preset's own lines, indented under it
+
+
+def test_one_problem_is_raised_as_it_is(tmp_path, tiny):
+    found = checks.run_checks(load_config(str(tiny), ["sequence_parallel_size=0"]),
+                              TrainOptions(work_dir=str(tmp_path / "w")), 1)
+    with pytest.raises(checks.SequenceParallelError, match=r"^sequence_parallel_size must be a positive integer "
+                                                           r"\(1: off\), got 0$"):
+        checks.report(found)
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_passing_run_makes_its_work_dir_and_a_dry_run_does_not(tmp_path, tiny):
+    cfg = load_config(str(tiny))
+    for dry_run in (True, False):
+        work = tmp_path / f"dry{dry_run}" / "work"
+        found = checks.run_checks(cfg, TrainOptions(work_dir=str(work), dry_run=dry_run), 1)
+        assert found.errors == [] and found.warnings == []
+        assert work.is_dir() != dry_run and (tmp_path / f"dry{dry_run}").exists() != dry_run
+
+
+def test_the_dry_run_probe_keeps_folders_that_were_there(tmp_path):
+    (tmp_path / "mine").mkdir()
+    check_work_dir_writable(tmp_path / "mine" / "a" / "b", keep=False)
+    assert list(tmp_path.rglob("*")) == [tmp_path / "mine"]
+    check_work_dir_writable(tmp_path / "mine", keep=False)
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_checkpoints_inside_an_accumulation_window_are_warned_about():
+    name = "qwen2_5_0_5b_instruct_lora_alpaca_e3"
+    assert checks.checkpoint_interval_warning(load_config(name)) is None  # the built-ins save on step boundaries
+    message = checks.checkpoint_interval_warning(load_config(name, ["default_hooks.checkpoint.interval=500"]))
+    assert message.startswith("default_hooks.checkpoint.interval=500 is not a multiple of "
+                              "optim_wrapper.accumulative_counts=16") and message.endswith("(e.g. 496)")
+
+
+def test_processes_the_launcher_checked_do_not_report_again(tmp_path, tiny, monkeypatch):
+    """The launcher ran the checks (and showed their warnings) once; each process it started only loads."""
+    from sfttool.engine.train import prepare
+
+    said = []
+    monkeypatch.setattr(checks, "warn", said.append)  # where report() shows warnings
+    options = TrainOptions(work_dir=str(tmp_path / "w"), cfg_options=("default_hooks.checkpoint.interval=3",))
+    monkeypatch.setenv(checks.CHECKED_BY_LAUNCHER, "1")
+    cfg, spec = prepare(str(tiny), options)
+    assert said == [] and not (tmp_path / "w").exists()
+    assert spec.work_dir == tmp_path / "w" and cfg.default_hooks.checkpoint.interval == 3
+    monkeypatch.delenv(checks.CHECKED_BY_LAUNCHER)
+    prepare(str(tiny), options)
+    assert len(said) == 1 and said[0].startswith("default_hooks.checkpoint.interval=3 is not a multiple of")
+    assert (tmp_path / "w").is_dir()
+
+
+def test_the_model_type_is_checked_before_the_model_is_built():
+    cfg = Config(dict(sequence_parallel_size=2, model=dict(type="sfttool.model.RewardModel"),
+                      train_dataloader=dict(sampler=dict(type="DefaultSampler"))))
+    assert [str(p) for p in checks.sequence_parallel_problems(cfg, 2)] == [
+        "model.type=RewardModel does not train with sequence parallelism (SupervisedFinetune does): set "
+        "sequence_parallel_size = 1"]
+
+
+def test_the_dataset_builders_settings_are_checked_before_anything_is_built():
+    """process_hf_dataset's and a stream's own setting checks, with the key, before the process group."""
+    from sfttool.dataset.streaming import StreamingPackedDataset
+
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(
+        type=process_hf_dataset, dataset=dict(type="datasets.load_dataset", path="json"),
+        tokenizer=dict(type="transformers.AutoTokenizer.from_pretrained"), max_length=64,
+        use_varlen_attn=True, pack_to_max_length=False))))
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)"]
+    cfg.train_dataloader.dataset = dict(type=StreamingPackedDataset, dataset=dict(type="datasets.load_dataset"),
+                                        tokenizer=None, max_length=64, pack_strategy="concat")
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: pack_strategy='concat' (XTuner's cut, which splits samples across rows) is not "
+        "available when streaming: rows are packed best-fit-decreasing within a buffer and no sample is split; "
+        "remove pack_strategy, or use process_hf_dataset"]
+    cfg.train_dataloader.dataset.update(pack_strategy="bfd", max_length=dict(type="sfttool.assets.longest"))
+    assert checks.dataset_setting_problems(cfg) == []  # built lazily: left to the builder
