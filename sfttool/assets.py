@@ -12,6 +12,8 @@ import os
 import random
 from pathlib import Path
 
+from sfttool.config.loader import builtin_config_dir
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -261,8 +263,6 @@ def builtin_data_file(name: str) -> str:
     """Path of a data file shipped with the built-in configs (``configs/_data_/``),
     for configs: ``data_path=dict(type=builtin_data_file, name='self_identity.jsonl')``
     works from an editable checkout, an installed package and a `copy-cfg` copy."""
-    from sfttool.config.loader import builtin_config_dir
-
     path = builtin_config_dir() / "_data_" / name
     if not path.is_file():
         shipped = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []

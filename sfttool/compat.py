@@ -242,7 +242,7 @@ def cpu_optim_wrapper_type(optim_wrapper_cfg: dict) -> dict:
     ``OptimWrapper`` (dropping AMP-only keys) with a warning."""
     import torch
 
-    from sfttool.registry import type_name
+    from sfttool.registry import type_name  # here: `import sfttool` runs this module and needs no mmengine
 
     if torch.cuda.is_available() or not type_name(optim_wrapper_cfg.get("type")).endswith("AmpOptimWrapper"):
         return optim_wrapper_cfg

@@ -57,6 +57,8 @@ def check_data_paths(cfg: Any, path: str) -> list[str]:
     ``dict(type=load_dataset, path='json', data_files=...)``), found now rather than when the
     dataset is built. Only literal paths are checked: a lazily built one (the demo's
     ``builtin_data_file``) is not built here."""
+    # Here, not at the top: the dataset modules import mmengine's registry (0.3 s), which the light
+    # commands that load sfttool.config (list-cfg, copy-cfg) never need.
     from sfttool.dataset.data_path import data_source, load_data_path
     from sfttool.dataset.errors import DatasetError
     errors = []
@@ -73,7 +75,7 @@ def check_data_paths(cfg: Any, path: str) -> list[str]:
 
 
 def _missing_files(node: dict) -> list[str]:
-    from sfttool.dataset.load import data_file_list
+    from sfttool.dataset.load import data_file_list  # here: see check_data_paths
     files = node.get("data_files")
     if not isinstance(files, (str, list, tuple, dict)) or _has_typed(files):
         return []  # built lazily: not built here

@@ -30,6 +30,7 @@ from typing import Any
 from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook
 
+from sfttool.config import ConfigError
 from sfttool.registry import BUILDER
 from sfttool.utils.atomic import atomic_write_text, discard, publish, reported_save
 from sfttool.utils.checkpoint_file import BEST_POINTER, CheckpointReadError, load_checkpoint, run_config
@@ -168,8 +169,6 @@ def check_checkpoint_fits(path: str | os.PathLike, model) -> None:
     mmengine loads the model non-strictly, so without this a checkpoint of
     another model or LoRA rank is skipped in silence and the optimizer state then
     fails with a size mismatch, or the optimizer's parameter groups do not match."""
-    from sfttool.config import ConfigError
-
     path = Path(path)
     try:
         checkpoint = load_checkpoint(path)

@@ -8,17 +8,16 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from mmengine.dist import barrier, is_main_process
+
+from sfttool.engine.runner import deepspeed_engine, unwrap_model
 from sfttool.model.hf_folder import config_tokenizer, export_folder_name, write_hf_folder
+from sfttool.utils.atomic import CheckpointSaveError
 
 
 def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
     """The end of ``sfttool train``: ``work_dir/hf_adapter`` or ``work_dir/hf_model``. Under ZeRO-3
     the trained weights are gathered first; rank 0 writes."""
-    from mmengine.dist import barrier, is_main_process
-
-    from sfttool.engine.runner import unwrap_model
-    from sfttool.utils.atomic import CheckpointSaveError
-
     model = unwrap_model(runner.model)
     if getattr(model, "llm", None) is None:
         return None
@@ -33,11 +32,9 @@ def save_hf(runner: Any, cfg: Any, work_dir: Path) -> Path | None:
 
 def _gathered(wrapped: Any, model: Any):
     """ZeRO-3 partitions parameters across ranks: gather them for saving."""
-    from sfttool.engine.runner import deepspeed_engine
-
     partitioned = getattr(deepspeed_engine(wrapped), "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
-        import deepspeed
+        import deepspeed  # imported by the run already (the engine found); seconds to import elsewhere
 
         # A LoRA export holds only the trained weights (the adapter, and embeddings when they grew): gather
         # those, not the whole frozen base model at once, which is what ZeRO-3 exists to avoid holding.

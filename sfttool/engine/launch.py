@@ -121,6 +121,7 @@ def worker_env() -> dict:
 
 def launch(plan: LaunchPlan, train_args: list[str]) -> int:
     """Run torchrun; return its exit code (128 + signal when this process got SIGTERM/SIGINT)."""
+    # Here, not at the top: `sfttool train` reads the launch plan before it imports mmengine (seconds).
     from sfttool.engine.hooks.preemption_hook import run_forwarding_sigterm
 
     # SIGTERM here reaches the workers (via torchrun), which checkpoint and stop.

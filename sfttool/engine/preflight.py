@@ -9,12 +9,17 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from sfttool.config import ConfigError
+from mmengine.logging import print_log
+
+from sfttool.config import ConfigError, find_config
 from sfttool.config.settings import setting
+from sfttool.engine.safety import WorkDirError, apply_trust_remote_code, check_work_dir_writable, remote_code_warning
 from sfttool.model.build import configured_dtype
+from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
 # On a machine without a GPU a half-precision model is loaded in float32 unless this is set to 1.
 CPU_HALF_PRECISION_ENV = "SFTTOOL_CPU_HALF_PRECISION"
@@ -22,15 +27,11 @@ CPU_HALF_PRECISION_ENV = "SFTTOOL_CPU_HALF_PRECISION"
 
 def warn(message: str) -> None:
     """One warning line, to the terminal and the run's log file."""
-    from mmengine.logging import print_log
-
     print_log(message, logger="current", level=logging.WARNING)
 
 
 def announce_config(config: str) -> None:
     """Configs are Python and are executed: say which file, before running it."""
-    from sfttool.config import find_config
-
     if os.environ.get("RANK", "0") == "0":
         print(f"[sfttool] executing config {find_config(config)}", flush=True)
 
@@ -38,10 +39,6 @@ def announce_config(config: str) -> None:
 def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
     """trust_remote_code is off unless the config or --trust-remote-code asks; warn when on
     (on stderr, before any logger exists: a refused work dir still shows it first)."""
-    import warnings
-
-    from sfttool.engine.safety import apply_trust_remote_code, remote_code_warning
-
     allowed = apply_trust_remote_code(cfg, trust_remote_code)
     if allowed:
         warnings.warn(remote_code_warning(allowed), stacklevel=2)
@@ -57,9 +54,6 @@ def check_work_dir(work_dir: Path, resume: str | None, keep: bool = True) -> Non
     continues it: a run started over would overwrite its ``iter_N.pth``,
     ``last_checkpoint``, dumped config and HF export. ``keep=False`` (a dry run, which
     saves nothing there): a folder the check had to create is removed again."""
-    from sfttool.utils.checkpoint_file import find_latest_checkpoint
-    from sfttool.engine.safety import WorkDirError, check_work_dir_writable
-
     if work_dir.is_file():
         raise WorkDirError(f"work dir {work_dir} is a file, not a folder; choose another folder with --work-dir")
     check_work_dir_writable(work_dir, keep=keep)
@@ -72,8 +66,6 @@ def check_work_dir(work_dir: Path, resume: str | None, keep: bool = True) -> Non
 def resolve_resume(resume: str | None, work_dir: Path, deepspeed: str | None = None) -> str | None:
     """``--resume`` (auto) -> the work dir's latest complete checkpoint; a path -> itself.
     Either must be of the kind ``--deepspeed`` loads: a folder with it, a file without."""
-    from sfttool.utils.checkpoint_file import find_latest_checkpoint
-
     if not resume:
         return None
     if resume == "auto":

@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import math
 
+from sfttool.registry import type_name
+
 MIN_WARMUP_STEPS = 2  # LinearLR reaches end_factor on its (end - begin - 1)-th iteration
 
 
@@ -35,8 +37,6 @@ def _to_iters(value, per_epoch: int, by_epoch: bool, max_iters: int) -> int:
 
 
 def _is_warmup(sched: dict) -> bool:
-    from sfttool.registry import type_name
-
     return type_name(sched.get("type")) in ("LinearLR", "LinearParamScheduler", "LinearMomentum")
 
 

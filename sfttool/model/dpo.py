@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from sfttool.model import preference_loss as P
+from sfttool.model import preference_precompute as pre
 from sfttool.model.build import build_llm
 from sfttool.model.preference import PairwiseModel, check_args
 from sfttool.model.preference_precompute import REF_COLUMN
@@ -105,7 +106,6 @@ class DPO(PairwiseModel):
         it. The train entry calls this once the model and the data are built, before the runner."""
         if not self.precompute_ref_log_probs or self.loss_type in P.REFERENCE_FREE:
             return dataset
-        from sfttool.model import preference_precompute as pre
         device = pre.place_on_run_device(self.ref_llm if self.ref_llm is not None else self.llm)
         was_training = self.training
         self.eval()

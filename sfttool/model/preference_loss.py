@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sfttool.model.loss import IGNORE_INDEX, default_position_ids, shift_targets
+from sfttool.registry import ConfigBuildError
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "kto_pair", "sppo_hard", "nca_pair", "simpo")
 # Losses of the length-averaged log-probs (the rest use sums).
@@ -29,7 +30,6 @@ def summed_by_sequence(token_logps: torch.Tensor, sequence_of: torch.Tensor,
 
 def require_pairs(data: dict) -> None:
     if "sequence_ids" not in data:
-        from sfttool.registry import ConfigBuildError
         raise ConfigBuildError("the batch has no `sequence_ids`: preference models need batches of pairs; set "
                                "train_dataloader.collate_fn=dict(type=preference_collate_fn) and the dataset to "
                                "build_preference_dataset")

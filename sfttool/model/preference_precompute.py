@@ -25,9 +25,13 @@ import time
 from typing import Any
 
 import torch
+from mmengine.dist import all_gather_object, get_rank, get_world_size
 
 from sfttool.dataset.collate_fns.preference_collate_fn import REF_COLUMN, preference_collate_fn
+from sfttool.dataset.report import log
 from sfttool.errors import SfttoolError
+from sfttool.model.build import to_torch_dtype
+from sfttool.registry import type_name
 
 
 class PrecomputeError(SfttoolError, ValueError):
@@ -39,10 +43,6 @@ def add_reference_log_probs(model: Any, dataset: Any, device: torch.device,
     """``dataset`` with the column ``ref_logps`` from ``model.reference_logps`` (the model in eval
     mode, its reference on ``device``). ``autocast_dtype``: on a GPU, the autocast dtype training
     runs the reference under, so the values are those it would compute."""
-    from mmengine.dist import get_rank, get_world_size
-
-    from sfttool.dataset.report import log
-
     check_dataset(dataset)
     start = time.perf_counter()
     rank, world = get_rank(), get_world_size()
@@ -84,8 +84,6 @@ def row_reference_logps(model: Any, row: dict, device: torch.device,
 
 def gathered_in_order(mine: dict[int, list[float]], total: int) -> list[list[float]]:
     """Every process's share, in row order (a process computed rows rank, rank + world, ...)."""
-    from mmengine.dist import all_gather_object, get_world_size
-
     shares = all_gather_object(mine) if get_world_size() > 1 else [mine]
     merged = {i: v for share in shares for i, v in share.items()}
     assert sorted(merged) == list(range(total)), "a row's reference log-probs are missing"
@@ -112,12 +110,8 @@ def release_memory() -> None:
 def training_autocast_dtype(optim_wrapper: Any) -> torch.dtype | None:
     """The autocast dtype of ``AmpOptimWrapper`` on a GPU (mmengine's default float16); None
     elsewhere (float32 on CPU; DeepSpeed casts the weights themselves)."""
-    from sfttool.registry import type_name
-
     optim_wrapper = optim_wrapper or {}
     if not torch.cuda.is_available() or not type_name(optim_wrapper.get("type")).endswith("AmpOptimWrapper"):
         return None
-    from sfttool.model.build import to_torch_dtype
-
     dtype = optim_wrapper.get("dtype") or "float16"
     return to_torch_dtype(dtype, "optim_wrapper.dtype")

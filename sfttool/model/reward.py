@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sfttool.model.lora import build_lora_config
+from sfttool.model.loss import default_position_ids
 from sfttool.model.preference import PairwiseModel
 from sfttool.registry import BUILDER, ConfigBuildError
 
@@ -79,7 +81,6 @@ class RewardModel(PairwiseModel):
 
     def sequence_scores(self, data: dict) -> torch.Tensor:
         """The score of every sequence of the batch, [2 * pairs], in ``sequence_ids`` order."""
-        from sfttool.model.loss import default_position_ids
         model = self.base_model()
         decoder = getattr(model, model.base_model_prefix)
         ids, sequence_ids = data["input_ids"], data["sequence_ids"]
@@ -110,7 +111,6 @@ def _sequence_classification_lora(lora: Any) -> Any:
     saves it with the adapter (also when the head is among the adapted layers: peft then wraps it whole)."""
     if lora is None:
         return None
-    from sfttool.model.lora import build_lora_config
     lora = build_lora_config(dict(lora, task_type="SEQ_CLS") if isinstance(lora, dict) else lora)
     lora.task_type = "SEQ_CLS"
     return lora

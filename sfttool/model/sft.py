@@ -34,6 +34,7 @@ from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folde
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
+from sfttool.utils.checkpoint_file import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,6 @@ class SupervisedFinetune(BaseModel):
             return
         # A checkpoint written by the runner: mmengine pickles its own objects beside the weights,
         # loaded through the explicit allow-list, never with arbitrary unpickling.
-        from sfttool.utils.checkpoint_file import load_checkpoint
         ckpt = load_checkpoint(path)
         state = ckpt.get("state_dict", ckpt)
         missing = set(self.state_dict()) - set(state)

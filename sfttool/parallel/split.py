@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from sfttool.parallel.attention import packed_causal_mask, varlen_arguments
+
 
 def pad_positions(position_ids: torch.Tensor, multiple: int) -> torch.Tensor:
     """Positions padded as a pseudo-sample of their own: 0, 1, ..., p-1."""
@@ -66,11 +68,9 @@ class RowSplit:
     @cached_property
     def mask(self) -> torch.Tensor:
         """[batch, 1, seq, seq] bool: the whole rows' causal mask, samples apart (eager and SDPA)."""
-        from sfttool.parallel.attention import packed_causal_mask
         return packed_causal_mask(self.position_ids)
 
     @cached_property
     def varlen(self) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens, max_seqlen)`` of the flattened row (flash-attention varlen)."""
-        from sfttool.parallel.attention import varlen_arguments
         return varlen_arguments(self.position_ids)

@@ -20,11 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, TextIO
 
+from sfttool import compat
+from sfttool.config import load_config
+from sfttool.dataset.encode import encode_prompt
 from sfttool.errors import SfttoolError
 from sfttool.model.hf_folder import SAVED_CONFIG_NAME
 from sfttool.tools.merge import (adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
                                  training_output_problem)
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
+from sfttool.utils.templates import PROMPT_TEMPLATE, SYSTEM_TEMPLATE, get_template, is_hf_chat_template
 
 
 class ChatError(SfttoolError):
@@ -78,7 +82,6 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
     problem = training_output_problem(model_path)
     if problem:
         raise ChatError(problem)
-    from sfttool import compat
 
     compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     import torch
@@ -106,7 +109,6 @@ def template_from_saved_config(folder: str | os.PathLike) -> Mapping | str | Non
     path = Path(folder) / SAVED_CONFIG_NAME
     if not path.is_file():
         return None
-    from sfttool.config import load_config
 
     cfg = load_config(path)
     return _find_template(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg))
@@ -140,8 +142,6 @@ def resolve_template(tokenizer, prompt_template: str | None = None, hf_template:
     """The template to chat with and where it came from, in this order: the
     user's choice, the training config saved beside the model/adapter, the
     tokenizer's own chat_template."""
-    from sfttool.utils import PROMPT_TEMPLATE, get_template
-
     if prompt_template and hf_template:
         raise ChatError("give either --prompt-template or --hf-template, not both")
     if hf_template:
@@ -163,8 +163,6 @@ def resolve_template(tokenizer, prompt_template: str | None = None, hf_template:
 
 def resolve_system(system: str | None = None, system_template: str | None = None) -> str:
     """``--system`` text, or a SYSTEM_TEMPLATE entry by name, or ''."""
-    from sfttool.utils import SYSTEM_TEMPLATE
-
     if system and system_template:
         raise ChatError("give either --system or --system-template, not both")
     if system_template:
@@ -240,8 +238,6 @@ class ChatSession:
 
     def prompt_ids(self, text: str) -> list[int]:
         """Ids of the history plus a new user turn, ready for the answer."""
-        from sfttool.dataset.encode import encode_prompt
-
         return encode_prompt(self.history + [self._opening({"input": text})], self.tokenizer, self.template)
 
     def _opening(self, turn: dict) -> dict:
@@ -274,7 +270,6 @@ class ChatSession:
 def load_tools(path: str | os.PathLike, template: Mapping) -> list[dict]:
     """``--tools FILE.json``: a list of tool schemas (bare function schemas are wrapped as
     ``{"type": "function", "function": ...}``), rendered by the model's chat template as in training."""
-    from sfttool.utils.templates import is_hf_chat_template
     if not is_hf_chat_template(template):
         raise ChatError("--tools needs the model's own chat template (--hf-template, a chat format such as "
                         "--prompt-template qwen3, or a run trained with either): XTuner-style prompt templates "

@@ -20,8 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from sfttool import compat
 from sfttool.errors import SfttoolError
+from sfttool.model.build import resize_embeddings
 from sfttool.model.hf_folder import SAVED_CONFIG_NAME, output_folder, save_model
+from sfttool.model.reward import adapter_model_class
 from sfttool.utils.checkpoint_file import find_latest_checkpoint, run_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -159,14 +162,11 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
                 tokenizer=None):
     """Base model with ``adapter`` folded into its weights (a plain transformers model).
     ``tokenizer``: the one saved with the adapter, when the caller has loaded it already."""
-    from sfttool import compat
-
     _check_adapter(Path(adapter))
     _check_base(base)
     compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
-    from peft import PeftModel
+    from peft import PeftModel  # after the line above: it imports bitsandbytes
 
-    from sfttool.model.reward import adapter_model_class
     model_class, extra = adapter_model_class(adapter)  # a reward model's adapter needs its classifier
     with load_errors(base, MergeError):
         model = model_class.from_pretrained(base, dtype=dtype, device_map=device_map_for(device), **extra)
@@ -188,7 +188,6 @@ def fit_embeddings_to_adapter(model, tokenizer) -> None:
     change), as training did when it had added tokens; the adapter then carries the trained rows
     (else peft fails on a size mismatch of embed_tokens/lm_head)."""
     if tokenizer is not None:
-        from sfttool.model.build import resize_embeddings
         resize_embeddings(model, tokenizer)
 
 

@@ -23,8 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from sfttool import __version__
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.pack import packing_efficiency
+from sfttool.dataset.pipeline import number_rows, process_hf_dataset, select_rows
+from sfttool.dataset.report import PipelineReport, log
+from sfttool.dataset import resolve
 from sfttool.dataset.stats import dataset_stats
 from sfttool.registry import BUILDER, build, resolve_type
 
@@ -145,8 +149,6 @@ def _shard_datasets(node: dict, shard_rows: int):
     """Yield the processed dataset shard by shard (one shard for other builders)."""
     import datasets
 
-    from sfttool.dataset import process_hf_dataset
-
     key = "train_dataloader.dataset"
     if resolve_type(node["type"], f"{key}.type") is not process_hf_dataset:
         dataset = build(node, key)
@@ -156,15 +158,12 @@ def _shard_datasets(node: dict, shard_rows: int):
                 "only map-style datasets (process_hf_dataset) can be saved")
         yield dataset
         return
-    from sfttool.dataset.pipeline import number_rows, select_rows
-    from sfttool.dataset.report import PipelineReport
-    from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
 
     # Built once for all shards; the saved folder replaces any pipeline cache.
     args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", "cache_dir")}
-    dataset_cfg = dataset_config(node["dataset"])
-    args.setdefault("source", source_name(dataset_cfg))
-    raw = resolve_dataset(dataset_cfg, args.pop("split", "train"))
+    dataset_cfg = resolve.dataset_config(node["dataset"])  # the raw data's node (this module's is the packed one's)
+    args.setdefault("source", resolve.source_name(dataset_cfg))
+    raw = resolve.resolve_dataset(dataset_cfg, args.pop("split", "train"))
     # Rows are numbered and selected globally (the same rows training would pick), sharded after.
     raw = number_rows(raw) if args.get("do_dataset_tokenization", True) else raw
     raw = select_rows(raw, args.pop("max_dataset_length", None), args.get("seed", 0), PipelineReport())
@@ -190,8 +189,6 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 def _manifest(cfg, node: dict, shards: list[dict], num_proc: int | None, shard_rows: int) -> dict:
     import datasets
-
-    from sfttool import __version__
 
     max_length = node.get("max_length")
     totals = {k: sum(s[k] for s in shards) for k in ("rows", "tokens", "trained_tokens")}
@@ -239,7 +236,6 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
     """
     import datasets
 
-    from sfttool.dataset.report import log
     manifest = read_manifest(path)
     if expected_fingerprint is not None and manifest["fingerprint"] != expected_fingerprint:
         raise ProcessedDatasetError(

@@ -14,7 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sfttool.config import load_config
+from sfttool.dataset.preference_encode import encode_conversations, pair_conversations
 from sfttool.errors import SfttoolError
+from sfttool.model.hf_folder import SAVED_CONFIG_NAME
+from sfttool.tools.chat import resolve_template
+from sfttool.tools.merge import adapter_tokenizer, load_merged
 
 
 class ScoreError(SfttoolError):
@@ -23,11 +28,9 @@ class ScoreError(SfttoolError):
 
 def saved_reward_token(folders) -> int | None:
     """``model.reward_token_id`` of the training config saved beside the model or adapter, if any."""
-    from sfttool.model.hf_folder import SAVED_CONFIG_NAME
     for folder in folders:
         path = Path(folder) / SAVED_CONFIG_NAME
         if path.is_file():
-            from sfttool.config import load_config
             token = load_config(path).get("model", {}).get("reward_token_id")
             if token is not None:
                 return int(token)
@@ -38,7 +41,6 @@ def load_reward_model(model_path: str | os.PathLike, adapter: str | os.PathLike 
     """The sequence-classification model (the adapter merged in) and its tokenizer."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from sfttool.tools.merge import adapter_tokenizer, load_merged
     if adapter is not None:
         tokenizer = adapter_tokenizer(adapter)
         model = load_merged(model_path, adapter, tokenizer=tokenizer)
@@ -53,8 +55,6 @@ def score_pair(model_path, prompt: str, chosen: str, rejected: str, adapter=None
     """``(score of chosen, score of rejected)`` for one user prompt."""
     import torch
 
-    from sfttool.dataset.preference_encode import encode_conversations, pair_conversations
-    from sfttool.tools.chat import resolve_template
     folders = [f for f in (adapter, model_path) if f is not None and Path(f).is_dir()]
     model, tokenizer = load_reward_model(model_path, adapter)
     if getattr(model.config, "num_labels", None) != 1:

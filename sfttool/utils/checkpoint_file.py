@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from sfttool import compat
 from sfttool.errors import SfttoolError
 
 _CKPT_RE = re.compile(r"^iter_(\d+)\.pth$")
@@ -27,8 +28,6 @@ def load_checkpoint(path: str | os.PathLike) -> Any:
     (``sfttool.compat.allow_mmengine_checkpoint_globals``), memory-mapped, so reading it costs
     little more than the tensors' headers until they are used."""
     import torch
-
-    from sfttool import compat
 
     compat.allow_mmengine_checkpoint_globals()
     path = Path(path)

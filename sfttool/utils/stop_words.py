@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from sfttool.utils.templates import get_template
+
 
 def stop_words_for(template: Mapping | str | None, tokenizer, model=None, extra: Iterable[str] = ()) -> list[str]:
     """The template's STOP_WORDS, ``extra`` (the user's), and the texts of the tokenizer's and the
     model's generation config's end tokens, without duplicates, in that order. ``template`` is a
     template dict, a built-in's name, or None."""
     if isinstance(template, str):
-        from sfttool.utils.templates import get_template
         template = get_template(template)
     words = list((template or {}).get("STOP_WORDS") or []) + [w for w in extra if w]
     end_ids: list[Any] = [tokenizer.eos_token_id]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from mmengine.hooks import EarlyStoppingHook as MMEarlyStoppingHook
 
+from sfttool.config import ConfigError
 from sfttool.registry import BUILDER
 
 STATE_KEY = "early_stopping"
@@ -33,7 +34,6 @@ class EarlyStoppingHook(MMEarlyStoppingHook):
     def __init__(self, patience: int | None = None, min_delta: float = 0.0, monitor: str = "val/loss",
                  rule: str = "less", **kwargs) -> None:
         if patience is not None and (not isinstance(patience, int) or patience < 1):
-            from sfttool.config import ConfigError
             raise ConfigError(f"early_stopping_patience must be a positive integer or None, got {patience!r}")
         super().__init__(monitor=monitor, rule=rule, min_delta=min_delta, patience=patience or 1, **kwargs)
         self.enabled = patience is not None

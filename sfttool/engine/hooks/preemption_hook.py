@@ -29,6 +29,7 @@ from mmengine.logging import print_log
 
 from sfttool.engine.collective import any_rank
 from sfttool.registry import BUILDER
+from sfttool.utils.atomic import atomic_write_text, publish, reported_save
 
 SAME_SIGNAL_WINDOW_S = 2.0
 
@@ -149,8 +150,6 @@ def save_checkpoint_now(runner) -> Path:
 
 def _save_without_checkpoint_hook(runner, step: int) -> Path:
     from mmengine.dist import barrier, is_main_process
-
-    from sfttool.utils.atomic import atomic_write_text, publish, reported_save
 
     name = f"iter_{step}.pth"
     final = Path(runner.work_dir) / name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mmengine.hooks import Hook
 
+from sfttool.engine.hooks.preemption_hook import save_checkpoint_now
 from sfttool.registry import BUILDER
 
 
@@ -28,6 +29,5 @@ class StopAfterHook(Hook):
         if self.stop_at is None or runner.iter + 1 < self.stop_at or runner.iter + 1 >= runner.max_iters:
             return  # the loop's own end saves its last checkpoint
         if self.save:
-            from sfttool.engine.hooks.preemption_hook import save_checkpoint_now
             save_checkpoint_now(runner)
         runner.train_loop.stop_training = True

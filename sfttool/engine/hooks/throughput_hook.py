@@ -22,6 +22,7 @@ from collections import deque
 
 from mmengine.hooks import Hook
 
+from sfttool.engine.runner import unwrap_model
 from sfttool.registry import BUILDER
 from sfttool.utils.constants import IGNORE_INDEX
 
@@ -66,8 +67,6 @@ class ThroughputHook(Hook):
 
     def before_train(self, runner) -> None:
         from mmengine.hooks import LoggerHook
-
-        from sfttool.engine.runner import unwrap_model
 
         import torch
         model = unwrap_model(runner.model)
