@@ -47,6 +47,7 @@ from sfttool.parallel.groups import SequenceParallelError, check_world_size
 from sfttool.parallel.sampler import shares_rows_by_group
 from sfttool.registry import ConfigBuildError, resolve_type, type_name
 
+
 @dataclass
 class Findings:
     errors: list[SfttoolError] = field(default_factory=list)
@@ -101,6 +102,7 @@ def preference_validation_problems(cfg: Any, path: str) -> list[str]:
     """A preference config that asks for validation: one line naming the keys (validation measures
     the SFT token loss, which says nothing about how a model ranks chosen over rejected, so it is
     refused rather than run or silently skipped)."""
+    cfg = getattr(cfg, "_cfg_dict", cfg)  # a loaded Config is not a dict; its ConfigDict is
     dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
     if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_preference_dataset"):
         return []

@@ -33,6 +33,14 @@ def test_validation_settings_in_a_preference_config_are_one_line_errors(extra, k
                           f"{keys.replace(', ', ' and ')} (or set them to None)"]
 
 
+def test_the_built_in_preference_config_with_validation_is_refused_before_anything_is_built(tmp_path):
+    cfg = load_config("qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1", ["val_ratio=0.1"])
+    found = checks.run_checks(cfg, TrainOptions(work_dir=str(tmp_path / "w")), 1)
+    assert [str(e) for e in found.errors] == [f"{cfg.filename}: val_ratio: preference training has no validation yet "
+                                              "(the validation loop measures the SFT token loss, not how the model "
+                                              "ranks chosen over rejected); remove val_ratio (or set them to None)"]
+
+
 def test_unset_validation_and_sft_configs_pass():
     assert checks.preference_validation_problems(
         _preference_config(build_preference_dataset, val_ratio=None, val_data_path=None), "dpo.py") == []
