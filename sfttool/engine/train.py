@@ -74,12 +74,11 @@ def prepare(config: str, options: TrainOptions) -> tuple[Any, RunSpec]:
     """The config, checked, and the run decided: everything that can fail before anything is built
     fails here, in seconds. Processes the launcher started were checked by it."""
     preflight.announce_config(config)
-    if checks.checked_by_launcher():
-        cfg = load_config(config, options.cfg_options)
-    else:
-        cfg = check(config, options, world_size_from_env())
+    cfg = load_config(config, options.cfg_options)
+    preflight.remote_code_policy(cfg, options.trust_remote_code)  # its warning shows even if a check refuses
+    if not checks.checked_by_launcher():
+        checks.report(checks.run_checks(cfg, options, world_size_from_env()))
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
-    preflight.remote_code_policy(cfg, options.trust_remote_code)
     if options.deepspeed:
         compat.limit_cpu_threads()
     if options.seed is not None:
