@@ -24,16 +24,16 @@ from sfttool.config import find_config, load_config
 from sfttool.dataset.chat_targets import describe
 from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset, pipeline_args
 from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty, to_messages
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.dataset.load import check_json_file
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.mix import mix_datasets
 from sfttool.dataset.pipeline import run_pipeline
 from sfttool.dataset.report import change_lines, drop_lines, split_lines
-from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name, template_of
+from sfttool.dataset.resolve import resolve_map_fn, source_name, template_of
 from sfttool.dataset.stages import map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type
 from sfttool.tools.check_preference import check_preference, is_preference_node
+from sfttool.tools.check_source import load_checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, finish, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 from sfttool.utils.constants import IGNORE_INDEX
@@ -42,11 +42,11 @@ from sfttool.utils.constants import IGNORE_INDEX
 # ---------------------------------------------------------------------------
 # XTuner's checks, then every row against the standard schema.
 
-def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
+def check_settings(args: dict, raw, map_fn, source: str | None, findings: Findings) -> None:
     standard = "conversation" in raw.column_names
     if map_fn is None and not standard:
         first = raw[0] if len(raw) else dict.fromkeys(raw.column_names)
-        findings.error(f"row 0: {missing_conversation(first, None)}, or convert the data to "
+        findings.error(f"{where(0, source)}: {missing_conversation(first, None)}, or convert the data to "
                        "{'conversation': [...]}")
     if map_fn is not None and standard and len(raw.column_names) == 1:
         findings.error("the data is already in the standard `conversation` format but a dataset_map_fn is "
@@ -68,13 +68,9 @@ def check_row(row: dict, index: int, map_fn, source: str | None) -> None:
         row = map_rows([row], [index], map_fn, source)[0][0]
     conversation = row.get("conversation")
     if is_empty(conversation):
-        raise DatasetError(f"{_at(source, index)}: empty or missing `conversation` (this row would be dropped)")
+        raise DatasetError(f"{where(index, source)}: empty or missing `conversation` (this row would be dropped)")
     check_conversation(conversation, index, source)
     check_turn_keys(conversation, index, source)
-
-
-def _at(source: str | None, index: int) -> str:
-    return f"{source}, row {index}" if source else f"row {index}"
 
 
 # ---------------------------------------------------------------------------
@@ -222,10 +218,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     return finish(findings, echo)
 
 
-def _plain(node: Any, where: str) -> dict:
+def _plain(node: Any, key: str) -> dict:
     if not isinstance(node, dict) or "type" not in node or not is_process_hf_dataset(node):
         kind = node.get("type") if isinstance(node, dict) else type(node).__name__
-        raise DatasetError(f"{where} is {kind!r}; check-custom-dataset checks process_hf_dataset datasets "
+        raise DatasetError(f"{key} is {kind!r}; check-custom-dataset checks process_hf_dataset datasets "
                            "(alone or inside mix_datasets)")
     return dict(node.items())
 
@@ -234,30 +230,27 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
               batch_size: int | None) -> None:
     """All checks and printouts for one process_hf_dataset node."""
     args = pipeline_args(node)
-    errors_before = len(findings.errors)
-    raw_cfg = args["dataset"]
-    for file in json_source_files(raw_cfg):
-        echo(f"Checking every line of {file}")
-        guard(findings, check_json_file, file, False, raw_cfg.get("field"))
-    if len(findings.errors) > errors_before:
+    errors_before = findings.count()
+    raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
+    loaded = load_checked_rows(raw_cfg, args["split"], findings, echo)
+    if loaded is None:
         return
-    echo("Building the dataset ...")
-    raw = resolve_dataset(raw_cfg, args["split"], validate=False)  # rows are validated below, all of them
+    every, raw = loaded
     map_fn = resolve_map_fn(args["dataset_map_fn"])
-    check_settings(args, raw, map_fn, findings)
+    check_settings(args, every, map_fn, source, findings)
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     template = template_of(args["template_map_fn"])
     if template is not None:
         for warning in template_warnings(template, tokenizer):
             findings.warn(warning)
-    if len(findings.errors) == errors_before:
-        echo(f"Validating all {len(raw)} rows ...")
-        check_rows(raw, map_fn, source_name(raw_cfg), findings, max_errors)
-    if len(findings.errors) > errors_before:
+    if findings.count() == errors_before:
+        echo(f"Validating all {len(every)} rows ...")
+        check_rows(every, map_fn, source, findings, max_errors)
+    if findings.count() > errors_before:
         return
     params = inspect.signature(run_pipeline).parameters
     run_args = {k: v for k, v in args.items() if k in params}
-    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True)
+    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True, source=source)
     dataset, report = guard(findings, run_pipeline, **run_args) or (None, None)
     if report is not None:
         for line in change_lines(report):

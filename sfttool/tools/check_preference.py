@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.config_node import is_built_by, pipeline_args
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.dataset.load import check_json_file
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.preference import build_preference_dataset, reward_token, run_preference_pipeline
 from sfttool.dataset.preference_encode import pair_conversations
-from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.resolve import resolve_map_fn, source_name
 from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
+from sfttool.tools.check_source import load_checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 
@@ -32,7 +32,7 @@ def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max
         row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
         missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
         if missing:
-            raise DatasetError(f"{source or 'dataset'}, row {index}: no {', '.join(missing)}; set a "
+            raise DatasetError(f"{where(index, source)}: no {', '.join(missing)}; set a "
                                "dataset_map_fn for this format (see docs/preference.md)")
         pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
 
@@ -85,25 +85,23 @@ def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo
                      batch_size: int | None) -> None:
     """All checks and printouts for one build_preference_dataset node."""
     args = pipeline_args(node, build_preference_dataset)
-    errors_before = len(findings.errors)
-    for file in json_source_files(args["dataset"]):
-        echo(f"Checking every line of {file}")
-        guard(findings, check_json_file, file, False, args["dataset"].get("field"))
-    if len(findings.errors) > errors_before:
+    errors_before = findings.count()
+    source = args["source"] or source_name(args["dataset"])
+    loaded = load_checked_rows(args["dataset"], args["split"], findings, echo)
+    if loaded is None:
         return
-    echo("Building the preference dataset ...")
-    raw = resolve_dataset(args["dataset"], args["split"], validate=False)
+    every, raw = loaded
     map_fn = resolve_map_fn(args["dataset_map_fn"])
-    echo(f"Validating all {len(raw)} rows ...")
-    check_pair_rows(raw, map_fn, source_name(args["dataset"]), findings, max_errors)
-    if len(findings.errors) > errors_before:
+    echo(f"Validating all {len(every)} rows ...")
+    check_pair_rows(every, map_fn, source, findings, max_errors)
+    if findings.count() > errors_before:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     packed = args["max_packed_length"] if args["pack_to_max_length"] else None
     reward = reward_token(args["is_reward"], args["reward_token_id"])
     result = guard(findings, run_preference_pipeline, raw, tokenizer, args["max_length"], args["dataset_map_fn"],
                     args["prompt_template"], packed, args["shuffle_before_pack"], args["max_dataset_length"],
-                    args["split"], args["num_proc"], args["seed"], source_name(args["dataset"]), True, reward)
+                    args["split"], args["num_proc"], args["seed"], source, True, reward)
     if result is not None:
         print_preference_stages(result[1], tokenizer, echo, color)
         print_preference_stats(result[1], args, batch_size, echo)

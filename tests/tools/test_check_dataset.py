@@ -95,7 +95,8 @@ def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
     rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
     assert code == 1
-    assert ("ERROR: row 0: no `conversation` (fields: instruction, input, output); data that is not in the standard "
+    assert (f"ERROR: {tmp_path / 'data.jsonl'}, row 0: no `conversation` (fields: instruction, input, output); data "
+            "that is not in the standard "
             "format needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn), or convert the data to "
             "{'conversation': [...]}") in out
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))

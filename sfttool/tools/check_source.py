@@ -1,0 +1,34 @@
+"""The rows a checked dataset node reads, loaded as ``train`` loads them: every local JSON file
+checked line by line first, then the rows. A node whose rows are a part of other data (a
+``validation_split`` holding rows out) is checked over all of that data, since training reads
+the held-out rows too, and row numbers stay those of the loaded data."""
+from __future__ import annotations
+
+from typing import Any
+
+from sfttool.dataset.load import check_json_file
+from sfttool.dataset.resolve import json_source_files, resolve_dataset, rows_config
+from sfttool.tools.findings import Echo, Findings, guard
+
+
+def load_checked_rows(dataset_cfg: Any, split: str, findings: Findings, echo: Echo) -> tuple[Any, Any] | None:
+    """``(every row, the part the node trains on)``, or None after an error (recorded in ``findings``)."""
+    errors_before = findings.count()
+    every_cfg = rows_config(dataset_cfg)
+    field = every_cfg.get("field") if isinstance(every_cfg, dict) else None
+    for file in json_source_files(dataset_cfg):
+        echo(f"Checking every line of {file}")
+        guard(findings, check_json_file, file, False, field)  # rows are validated one by one below
+    if findings.count() > errors_before:
+        return None
+    echo("Building the dataset ...")
+    every = guard(findings, resolve_dataset, every_cfg, split, validate=False)
+    if every is None or every_cfg is dataset_cfg:
+        return None if every is None else (every, every)
+    part = guard(findings, resolve_dataset, dataset_cfg, split, validate=False)
+    if part is None:
+        return None
+    if len(part) != len(every):
+        echo(f"{len(every) - len(part)} of the {len(every)} rows are held out for validation: every row is "
+             f"validated, the statistics below are of the {len(part)} rows trained on")
+    return every, part
