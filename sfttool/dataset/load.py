@@ -99,8 +99,7 @@ def iter_json_rows(path: str | Path, field: str | None = None,
                 if line_no == 1 and exc.msg == "Expecting property name enclosed in double quotes":
                     yield from _iter_json_document(path, field, decoder)  # one object spread over several lines
                     return
-                raise DatasetError(f"{path}, line {line_no}: invalid JSON ({_json_problem(exc)}); "
-                                   "each line must be one JSON object (or the file one JSON array)") from None
+                raise DatasetError(f"{path}, line {line_no}: invalid JSON{_json_problem(exc)}") from None
             if "\\ud" in line.lower():
                 _check_surrogates(row, path, f"line {line_no}")
             yield f"line {line_no}", row
@@ -142,10 +141,24 @@ def duplicated_keys(row: Any, duplicates: dict[int, list[str]]) -> list[str]:
     return sorted(set(found))
 
 
-def _json_problem(exc: json.JSONDecodeError) -> str:
-    """``Expecting ',' delimiter at column 7``; json's own messages may end in "at"
-    ("Unterminated string starting at"), which must not read "at at column"."""
-    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+def _json_problem(exc: json.JSONDecodeError, where: str = "line") -> str:
+    """What follows "invalid JSON" for ``exc``, read in a ``where`` ("line" or "file"): json's own
+    message at its column (``(Expecting ',' delimiter at column 7)``; a message ending in "at",
+    "Unterminated string starting at", must not read "at at column"), or the cause said for two
+    cases: the text ends inside an unfinished object, array or string (a writer stopped mid-row),
+    and a comma before a closing bracket (JSON allows no trailing comma)."""
+    text, message = exc.doc, exc.msg.removesuffix(" at")
+    unterminated = message.startswith("Unterminated string")  # json points at where the string starts
+    cut = unterminated or not text[exc.pos:].strip()
+    pos = min(exc.pos, len(text.rstrip())) if cut and not unterminated else exc.pos
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    if cut:
+        return (f": the {where} ends before its last object, array or string is closed ({message} at column "
+                f"{column}); it was cut off (a writer stopped mid-row?): complete it or remove it")
+    if text[:pos].rstrip().endswith(",") and text[pos] in "]}":
+        return f": a comma before {text[pos]!r} at column {column}; JSON allows no trailing comma: remove it"
+    return f" ({message} at column {column})" + (
+        "; each line must be one JSON object (or the file one JSON array)" if where == "line" else "")
 
 
 _BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; datasets reads such files
@@ -177,7 +190,7 @@ def _iter_json_document(path: Path, field: str | None, decoder: json.JSONDecoder
     except json.JSONDecodeError as exc:
         _forget(decoder.object_pairs_hook.duplicates)
         if exc.msg != "Extra data" or field is not None:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON{_json_problem(exc, 'file')}") from None
         yield from _iter_json_values(text, path, decoder)  # several JSON values one after another, as datasets reads
         return
     if field is not None:
@@ -207,7 +220,7 @@ def _iter_json_values(text: str, path: Path, decoder: json.JSONDecoder) -> Itera
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON{_json_problem(exc, 'file')}") from None
         yield f"line {line}", row
         _forget(getattr(decoder.object_pairs_hook, "duplicates", None))
 
@@ -264,7 +277,7 @@ def _check_rows(path: str | Path, standard: bool | None, field: str | None) -> i
         if keys := duplicated_keys(row, duplicates):
             repeated.append(f"{here} ({', '.join(map(repr, keys))})")
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}, {here}: expected a JSON object, got {type(row).__name__}")
+            raise DatasetError(f"{path}, {here}: expected a JSON object, got {_kind(row)}")
         if standard or (standard is None and "conversation" in row):
             check_conversation(row.get("conversation"), source=f"{path}, {here}")
         for name, kind in _field_kinds(row if typed is None else {k: row[k] for k in typed if k in row}):

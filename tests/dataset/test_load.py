@@ -193,8 +193,9 @@ def test_json_errors_read_once_at_column(tmp_path):
     path.write_text(json.dumps(GOOD) + '\n{"conversation": "unfinished', encoding="utf-8")
     with pytest.raises(DatasetError) as exc:
         check_json_file(path)
-    assert str(exc.value) == (f"{path}, line 2: invalid JSON (Unterminated string starting at column 18); each "
-                              "line must be one JSON object (or the file one JSON array)")
+    assert str(exc.value) == (f"{path}, line 2: invalid JSON: the line ends before its last object, array or string "
+                              "is closed (Unterminated string starting at column 18); it was cut off (a writer "
+                              "stopped mid-row?): complete it or remove it")
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "json"])
