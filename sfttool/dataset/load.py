@@ -68,7 +68,7 @@ def local_json_files(path: Any, data_files: Any) -> list[str]:
 _UNOPENED = (".zst", ".zip", ".lz4", ".tar")
 
 
-def _open_binary(path: Path):
+def open_binary(path: Path):
     return _OPENERS.get(path.suffix.lower(), open)(path, "rb")
 
 
@@ -83,12 +83,12 @@ def iter_json_rows(path: str | Path, field: str | None = None,
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     decoder = json.JSONDecoder(object_pairs_hook=_KeepLast(duplicates))
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         head = f.read(4096).removeprefix(_BOM).lstrip()
     if field is not None or head.startswith(b"["):
         yield from _iter_json_document(path, field, decoder)
         return
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         for line_no, raw in enumerate(f, 1):
             line = _decode(raw.removeprefix(_BOM) if line_no == 1 else raw, path, f"line {line_no}")
             if not line.strip():
@@ -182,7 +182,7 @@ def _check_surrogates(row: Any, path: Path, location: str) -> None:
 
 
 def _iter_json_document(path: Path, field: str | None, decoder: json.JSONDecoder) -> Iterator[tuple[str, Any]]:
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         text = _decode(f.read().removeprefix(_BOM), path, "somewhere")
     _forget(decoder.object_pairs_hook.duplicates)  # left by a failed attempt to read lines
     try:

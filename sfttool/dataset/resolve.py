@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import DatasetError
-from sfttool.dataset.load import check_json_file, local_json_files
+from sfttool.dataset.load import check_json_file, expand_data_files, local_json_files
+from sfttool.dataset.source import DataSource
 from sfttool.registry import MAP_FUNC, ConfigBuildError, build, build_if_config, resolve_type, type_name
 
 
@@ -156,7 +157,8 @@ def _user_value_error(fn: Callable, *args: Any) -> Any:
 
 
 def source_name(dataset_cfg: Any) -> str | None:
-    """The data file(s) a dataset config reads (``rows_config``), for error messages."""
+    """The data file(s) a dataset config reads (``rows_config``), for error messages: a ``DataSource``
+    that can read a row again from its file where the rows are read from local JSON files in order."""
     dataset_cfg = rows_config(dataset_cfg)
     if not isinstance(dataset_cfg, dict):
         return None
@@ -164,5 +166,20 @@ def source_name(dataset_cfg: Any) -> str | None:
     if isinstance(files, dict):
         files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
     if isinstance(files, (list, tuple)):
-        return ", ".join(map(str, files))
-    return str(files) if files else dataset_cfg.get("path")
+        name = ", ".join(map(str, files))
+    else:
+        name = str(files) if files else dataset_cfg.get("path")
+    rows_files = _row_files(dataset_cfg)
+    return DataSource(name, rows_files, dataset_cfg.get("field")) if name and rows_files else name
+
+
+def _row_files(dataset_cfg: dict) -> list[str]:
+    """The JSON files whose rows, in order, are the loaded rows (row N of the data is row N of them
+    all); [] when that is not so (several splits' files, a file only ``datasets`` reads)."""
+    files = json_source_files(dataset_cfg)
+    data_files = dataset_cfg.get("data_files")
+    if type_name(dataset_cfg.get("type")) == "load_data_path" and files:
+        data_files = data_source(dataset_cfg.get("path")).get("data_files")
+    if isinstance(data_files, dict) and len(data_files) > 1:
+        return []
+    return files if len(files) == len(expand_data_files(data_files)) else []

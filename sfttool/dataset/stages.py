@@ -65,12 +65,29 @@ class SafeMapFn:
         try:
             mapped = self.fn(row, notes=notes) if self.takes_notes and notes is not None else self.fn(row)
         except Exception as exc:  # a user fn may raise anything: report where
+            exc, row = self._as_in_file(exc, row, index)
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} failed: "
                                f"{type(exc).__name__}: {exc}{self._hint(row)}") from None
         if not isinstance(mapped, Mapping):
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} returned "
                                f"{type(mapped).__name__}, not a dict")
         return mapped
+
+    def _as_in_file(self, exc: Exception, row: Any, index: int) -> tuple[Exception, Any]:
+        """A field the fn found null may be missing from the row in its file (Arrow fills it with null):
+        then the fn's error for the row as the file has it (``DataSource.raw_row``), which says so."""
+        raw_row = getattr(self.source, "raw_row", None)
+        field = getattr(exc, "null_field", None)
+        if raw_row is None or field is None:
+            return exc, row
+        in_file = raw_row(index)
+        if not isinstance(in_file, Mapping) or field in in_file:
+            return exc, row
+        try:
+            self.fn(in_file)
+        except Exception as again:
+            return again, in_file
+        return exc, row
 
     def _hint(self, row: Any) -> str:
         from sfttool.dataset.map_fns.suggest import fitting_map_fn
