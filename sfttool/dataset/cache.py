@@ -106,7 +106,7 @@ def cached_pipeline(cache_dir: str | os.PathLike, args: dict, run_pipeline: Call
 
 
 def _report_json(report, cls) -> str:
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages",)}
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages", "emptied")}
     fields["pack"] = dataclasses.asdict(report.pack) if report.pack is not None else None
     fields["sample_lengths"] = len(fields["sample_lengths"])  # the count is enough
     return json.dumps(fields, indent=1)

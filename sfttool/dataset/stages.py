@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sfttool.dataset.conversation import with_every_key
+from sfttool.dataset.conversation import is_empty, with_every_key
 from sfttool.dataset.encode import UNTRAINED_MASKED
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.report import DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long
+from sfttool.dataset.report import (DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_emptied,
+                                    drop_prompt_too_long)
 from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
@@ -174,9 +175,23 @@ def count_drops(report: PipelineReport, reason: str, dropped: Sequence[bool], ro
     report.drop(reason, [row_name(n) for n, d in zip(row_numbers, dropped) if d])
 
 
+def note_emptied(report: PipelineReport, conversations: Sequence[Any], notes: Sequence[Sequence[str]],
+                 row_numbers: Sequence[int]) -> None:
+    """Keep what the dataset map fn changed in the rows it left with an empty conversation: the cause
+    ``drop_empty_rows`` gives for them (``report.drop_emptied``)."""
+    for conversation, row_notes, number in zip(conversations, notes, row_numbers):
+        if row_notes and is_empty(conversation):
+            report.emptied[number] = list(row_notes)
+
+
 def drop_empty_rows(report: PipelineReport, empty: Sequence[bool], row_numbers: Sequence[int]) -> list[bool]:
-    """Rows whose conversation is empty are dropped, counted; returns the keep mask."""
-    count_drops(report, DROP_EMPTY, empty, row_numbers)
+    """Rows whose conversation is empty are dropped, counted by cause; returns the keep mask."""
+    causes: dict[str, list[str]] = {}
+    for is_dropped, number in zip(empty, row_numbers):
+        if is_dropped:
+            causes.setdefault(drop_emptied(report.emptied.pop(number, ())), []).append(row_name(number))
+    for cause, rows in causes.items():
+        report.drop(cause, rows)
     return [not e for e in empty]
 
 

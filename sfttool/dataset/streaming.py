@@ -34,7 +34,7 @@ from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.report import PipelineReport, count_split, log, split_lines, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
 from sfttool.dataset.stages import (check_dicts, count_ignored_fields, count_notes, drop_empty_rows,
-                                    drop_untrained_rows, gc_paused, map_rows, missing_conversation)
+                                    drop_untrained_rows, gc_paused, map_rows, missing_conversation, note_emptied)
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -134,6 +134,7 @@ class StreamingEncoder:
         if self.dataset_map_fn is not None:
             mapped, notes = map_rows(rows, numbers, self.dataset_map_fn, source)
             count_notes(stats, notes, numbers)
+            note_emptied(stats, [m.get("conversation") for m in mapped], notes, numbers)
             rows = [{**row, **m} for row, m in zip(rows, mapped)]
         for row, number in zip(rows, numbers):
             if "conversation" not in row:

@@ -27,7 +27,7 @@ from sfttool.dataset.conversation import check_conversation, check_turn_keys, is
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.mix import mix_datasets
 from sfttool.dataset.pipeline import run_pipeline
-from sfttool.dataset.report import change_lines, drop_lines, split_lines
+from sfttool.dataset.report import change_lines, drop_emptied, drop_lines, split_lines
 from sfttool.dataset.resolve import resolve_map_fn, source_name, template_of
 from sfttool.dataset.stages import map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
@@ -63,12 +63,14 @@ def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_erro
 
 def check_row(row: dict, index: int, map_fn, source: str | None) -> None:
     """One raw row through the map fn stage, then strictly against the standard schema: a row the
-    pipeline would drop whole is an error here."""
+    pipeline would drop whole is an error here, named with the cause the pipeline counts it under."""
+    notes: list[str] = []
     if map_fn is not None:
-        row = map_rows([row], [index], map_fn, source)[0][0]
+        mapped, changes = map_rows([row], [index], map_fn, source)
+        row, notes = mapped[0], changes[0]
     conversation = row.get("conversation")
     if is_empty(conversation):
-        raise DatasetError(f"{where(index, source)}: empty or missing `conversation` (this row would be dropped)")
+        raise DatasetError(f"{where(index, source)}: {drop_emptied(notes)} (this row would be dropped)")
     check_conversation(conversation, index, source)
     check_turn_keys(conversation, index, source)
 

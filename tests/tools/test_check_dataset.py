@@ -66,7 +66,7 @@ def test_every_row_validated_with_file_row_field(tmp_path, tiny_tokenizer_dir):
     assert code == 1
     data = tmp_path / "data.jsonl"
     assert f"ERROR: {data}, row 4, field 'conversation[0].output': expected a string, got missing" in out
-    assert f"ERROR: {data}, row 9: empty or missing `conversation`" in out
+    assert f"ERROR: {data}, row 9: empty conversation (this row would be dropped)" in out
     assert f"{data}, row 17, field 'conversation[0].output'" in out
     assert "... and 1 more rows with errors" in out
     assert "FAILED: 4 errors" in out
