@@ -12,7 +12,7 @@ from typing import Any, Callable
 from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.load import check_json_file, expand_data_files, local_json_files
-from sfttool.dataset.source import DataSource
+from sfttool.dataset.source import DataSource, read_failure, reader_errors
 from sfttool.registry import MAP_FUNC, ConfigBuildError, build, build_if_config, resolve_type, type_name
 
 
@@ -60,18 +60,11 @@ def resolve_dataset(dataset: Any, split: str, validate: bool = True):
 
 def build_loaded(dataset: Any) -> Any:
     """``build_if_config(dataset)`` with the data readers' failures (Arrow, ``datasets``' generation
-    error) as one line naming the data and the reader's own words."""
-    from datasets.exceptions import DatasetGenerationError
-    from pyarrow import ArrowException
+    error) as one line naming the data (``source.read_failure``)."""
     try:
         return build_if_config(dataset, "dataset")
-    except (DatasetGenerationError, ArrowException) as exc:
-        cause = exc
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            cause = cause.__cause__ or cause.__context__
-        raise DatasetError(f"{source_name(dataset) or 'the dataset'}: datasets could not read the data: "
-                           f"{type(cause).__name__}: {str(cause).strip() or type(exc).__name__}; fix the data "
-                           "or convert it to JSON Lines, which sfttool checks line by line") from None
+    except reader_errors() as exc:
+        raise read_failure(exc, source_name(dataset)) from None
 
 
 def pick_split(dataset: Any, split: str) -> Any:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
-from sfttool.dataset.load import iter_json_rows, open_binary
+from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.load import check_json_file, iter_json_rows, open_binary
 
 
 class DataSource(str):
@@ -86,3 +87,35 @@ class _FileRows:
         with open_binary(self.path) as f:
             f.seek(self.offsets[number])
             return json.loads(f.readline().removeprefix(b"\xef\xbb\xbf"))
+
+
+def read_failure(exc: BaseException, source: str | None) -> DatasetError:
+    """A data reader's failure (Arrow's, ``datasets``' generation error) as one line: the line-by-line
+    check's for the first bad line of the source's JSON files (a stream meets a malformed line only
+    when it reaches it), else the reader's own words naming the data."""
+    for path in getattr(source, "files", ()):
+        try:
+            check_json_file(path, field=getattr(source, "field", None))
+        except DatasetError as found:
+            return found
+    cause = exc
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    return DatasetError(f"{source or 'the dataset'}: datasets could not read the data: {type(cause).__name__}: "
+                        f"{str(cause).strip() or type(exc).__name__}; fix the data or convert it to JSON Lines, "
+                        "which sfttool checks line by line")
+
+
+def reader_errors() -> tuple[type[BaseException], ...]:
+    """What ``datasets`` and Arrow raise for data they cannot read."""
+    from datasets.exceptions import DatasetGenerationError
+    from pyarrow import ArrowException
+    return DatasetGenerationError, ArrowException
+
+
+def read_explained(rows: Iterable, source: str | None) -> Iterator:
+    """``rows``, with a reader's failure while iterating them as one line (``read_failure``)."""
+    try:
+        yield from rows
+    except reader_errors() as exc:
+        raise read_failure(exc, source) from None

@@ -33,7 +33,7 @@ from sfttool.dataset.stages import map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type
 from sfttool.tools.check_preference import check_preference, is_preference_node
-from sfttool.tools.check_source import load_checked_rows
+from sfttool.tools.check_source import load_every_row, load_trained_part
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, finish, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 from sfttool.utils.constants import IGNORE_INDEX
@@ -234,10 +234,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     args = pipeline_args(node)
     errors_before = findings.count()
     raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
-    loaded = load_checked_rows(raw_cfg, args["split"], findings, echo)
-    if loaded is None:
+    every = load_every_row(raw_cfg, args["split"], findings, echo)
+    if every is None:
         return
-    every, raw = loaded
     map_fn = resolve_map_fn(args["dataset_map_fn"])
     check_settings(args, every, map_fn, source, findings)
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
@@ -249,6 +248,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         echo(f"Validating all {len(every)} rows ...")
         check_rows(every, map_fn, source, findings, max_errors)
     if findings.count() > errors_before:
+        return
+    raw = load_trained_part(raw_cfg, every, args["split"], findings, echo)
+    if raw is None:
         return
     params = inspect.signature(run_pipeline).parameters
     run_args = {k: v for k, v in args.items() if k in params}

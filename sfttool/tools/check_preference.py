@@ -15,7 +15,7 @@ from sfttool.dataset.preference_encode import pair_conversations
 from sfttool.dataset.resolve import resolve_map_fn, source_name
 from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
-from sfttool.tools.check_source import load_checked_rows
+from sfttool.tools.check_source import load_every_row, load_trained_part
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 
@@ -87,14 +87,16 @@ def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo
     args = pipeline_args(node, build_preference_dataset)
     errors_before = findings.count()
     source = args["source"] or source_name(args["dataset"])
-    loaded = load_checked_rows(args["dataset"], args["split"], findings, echo)
-    if loaded is None:
+    every = load_every_row(args["dataset"], args["split"], findings, echo)
+    if every is None:
         return
-    every, raw = loaded
     map_fn = resolve_map_fn(args["dataset_map_fn"])
     echo(f"Validating all {len(every)} rows ...")
     check_pair_rows(every, map_fn, source, findings, max_errors)
     if findings.count() > errors_before:
+        return
+    raw = load_trained_part(args["dataset"], every, args["split"], findings, echo)
+    if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     packed = args["max_packed_length"] if args["pack_to_max_length"] else None

@@ -11,24 +11,27 @@ from sfttool.dataset.resolve import json_source_files, resolve_dataset, rows_con
 from sfttool.tools.findings import Echo, Findings, guard
 
 
-def load_checked_rows(dataset_cfg: Any, split: str, findings: Findings, echo: Echo) -> tuple[Any, Any] | None:
-    """``(every row, the part the node trains on)``, or None after an error (recorded in ``findings``)."""
+def load_every_row(dataset_cfg: Any, split: str, findings: Findings, echo: Echo) -> Any:
+    """Every row the node's data holds (``resolve.rows_config``), or None after an error (recorded)."""
     errors_before = findings.count()
     every_cfg = rows_config(dataset_cfg)
     field = every_cfg.get("field") if isinstance(every_cfg, dict) else None
     for file in json_source_files(dataset_cfg):
         echo(f"Checking every line of {file}")
-        guard(findings, check_json_file, file, False, field)  # rows are validated one by one below
+        guard(findings, check_json_file, file, False, field)  # rows are validated one by one afterwards
     if findings.count() > errors_before:
         return None
     echo("Building the dataset ...")
-    every = guard(findings, resolve_dataset, every_cfg, split, validate=False)
-    if every is None or every_cfg is dataset_cfg:
-        return None if every is None else (every, every)
+    return guard(findings, resolve_dataset, every_cfg, split, validate=False)
+
+
+def load_trained_part(dataset_cfg: Any, every: Any, split: str, findings: Findings, echo: Echo) -> Any:
+    """The rows the node trains on: ``every`` itself, or the part a ``validation_split`` keeps (built
+    once the rows are known to be good: the split checks its file again, stopping at a first error)."""
+    if rows_config(dataset_cfg) is dataset_cfg:
+        return every
     part = guard(findings, resolve_dataset, dataset_cfg, split, validate=False)
-    if part is None:
-        return None
-    if len(part) != len(every):
-        echo(f"{len(every) - len(part)} of the {len(every)} rows are held out for validation: every row is "
+    if part is not None and len(part) != len(every):
+        echo(f"{len(every) - len(part)} of the {len(every)} rows are held out for validation: every row was "
              f"validated, the statistics below are of the {len(part)} rows trained on")
-    return every, part
+    return part
