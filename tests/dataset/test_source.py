@@ -62,3 +62,33 @@ def test_a_missing_field_is_not_called_null(tmp_path, tiny_tokenizer, val_ratio)
         process_hf_dataset(raw, **args)
     assert str(exc.value) == (f"{path}, row 2: dataset_map_fn openai_map_fn failed: MapFnError: openai_map_fn: field "
                               "'messages' is null; fill it in or drop this row from the dataset.")
+
+
+def test_a_stream_stops_at_a_malformed_line_with_the_line_by_line_checks_one_line(tmp_path, tiny_tokenizer):
+    """A stream is not checked before it starts (that would read the whole corpus); when it reaches the bad
+    line, Arrow's ArrowInvalid (a traceback) becomes the check's line for the file."""
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    path = tmp_path / "big.jsonl"
+    cut = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}'
+    path.write_text("".join(json.dumps(GOOD) + "\n" for _ in range(5)) + cut + "\n")
+    stream = StreamingPackedDataset(dict(type=load_data_path, path=str(path), streaming=True), tiny_tokenizer,
+                                    max_length=64, dataset_map_fn="openai_map_fn",
+                                    template_map_fn=template_map_fn_factory("qwen_chat"))
+    with pytest.raises(DatasetError) as exc:
+        list(stream)
+    assert str(exc.value) == (f"{path}, line 6: invalid JSON: the line ends before its last object, array or string "
+                              "is closed (Expecting ',' delimiter at column 88); it was cut off (a writer stopped "
+                              "mid-row?): complete it or remove it")
+
+
+def test_a_streams_row_errors_name_the_data_path(tmp_path, tiny_tokenizer):
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    path = tmp_path / "big.jsonl"
+    bad = {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path.write_text("".join(json.dumps(row) + "\n" for row in (GOOD, GOOD, bad)))
+    stream = StreamingPackedDataset(dict(type=load_data_path, path=str(path), streaming=True), tiny_tokenizer,
+                                    max_length=64, dataset_map_fn="openai_map_fn",
+                                    template_map_fn=template_map_fn_factory("qwen_chat"))
+    with pytest.raises(DatasetError, match=rf"^{path}, row 2: dataset_map_fn openai_map_fn failed: MapFnError: "
+                                           r"openai_map_fn: messages\[0\] has role 'human'"):
+        list(stream)

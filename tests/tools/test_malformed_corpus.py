@@ -45,8 +45,7 @@ def settings(model_dir, data, map_fn, val_ratio: float | None = None) -> list[st
     """PART 1 settings on the command line; ``val_ratio`` for the built-in config (the copy reads none)."""
     split = [] if val_ratio is None else [f"val_ratio={val_ratio}"]
     return ["--cfg-options", f"pretrained_model_name_or_path={model_dir}", f"data_path={data}",
-            f"dataset_map_fn={map_fn!r}", *split, "evaluation_max_new_tokens=2", "report_to=[]",
-            "train_dataloader.dataset.map_num_proc=1"]
+            f"dataset_map_fn={map_fn!r}", *split, "evaluation_max_new_tokens=2", "report_to=[]"]
 
 
 FINDINGS = ("ERROR:", "WARNING:", "dropped ", "changed ", "... and ", "FAILED:", "OK:")
@@ -171,3 +170,42 @@ def test_errors_are_counted_by_row_and_say_how_many_were_listed(tmp_path, tiny_q
     assert code == 1 and len([line for line in found if line.startswith("ERROR:")]) == 10
     assert found[-2:] == ["... and 31 more rows with errors (--max-errors 10: raise it to list them)",
                           "FAILED: 41 errors (10 listed), 0 warnings"]
+
+
+# ---------------------------------------------------------------------------
+# Mixing: each dataset of a mix is loaded as a single one is.
+
+MIX = '''
+from sfttool.dataset import mix_datasets
+second_data_path = {second!r}
+second = dict(train_dataset, dataset={second_dataset})
+train_dataloader = dict(train_dataloader, dataset=dict(type=mix_datasets, datasets=[train_dataset, second],
+                                                       ratios=[1.0, 0.5], seed=seed))
+'''
+
+
+def mixed(config: Path, second: Path, builtin_loading: bool) -> Path:
+    """``config`` with its dataset mixed with a second file's, read the way ``config`` reads its own."""
+    second_dataset = ("dict(train_dataset['dataset'], dataset=dict(type=load_data_path, path=second_data_path))"
+                      if builtin_loading else "dict(type=load_dataset, path='json', data_files=second_data_path)")
+    path = second.with_name(f"mix_{config.stem}.py")
+    text = config.read_text() + MIX.format(second=str(second), second_dataset=second_dataset)
+    path.write_text(text.replace("from ._base_", "from sfttool.configs._base_"))
+    return path
+
+
+def test_a_mix_of_built_in_loaders_is_checked_and_trained_like_a_mix_of_load_dataset(tmp_path, tiny_qwen2_dir,
+                                                                                     xtuner_style):
+    from sfttool.config import find_config
+    first = tmp_path / "first.jsonl"
+    first.write_text(rows(*[chat(f"Question {i}?") for i in range(6)]))
+    second = CASES[[c.name for c in CASES].index("cut_last_line.jsonl")].write(tmp_path)
+    builtin = mixed(find_config(BUILTIN), second, builtin_loading=True)
+    xtuner = mixed(xtuner_style, second, builtin_loading=False)
+    expected = CASES[[c.name for c in CASES].index("cut_last_line.jsonl")].expect.replace("{path}", str(second))
+    found = check(builtin, settings(tiny_qwen2_dir, first, OPENAI, val_ratio=0))
+    assert found == check(xtuner, settings(tiny_qwen2_dir, first, OPENAI)) == \
+        (1, [expected, "FAILED: 1 errors, 0 warnings"])
+    trained = train(builtin, settings(tiny_qwen2_dir, first, OPENAI, val_ratio=0), tmp_path / "a")
+    assert trained == train(xtuner, settings(tiny_qwen2_dir, first, OPENAI), tmp_path / "b") == \
+        (1, "Error: " + expected.removeprefix("ERROR: "))
