@@ -49,8 +49,8 @@ def check_settings(args: dict, raw, map_fn, source: str | None, findings: Findin
         findings.error(f"{where(0, source)}: {missing_conversation(first, None)}, or convert the data to "
                        "{'conversation': [...]}")
     if map_fn is not None and standard and len(raw.column_names) == 1:
-        findings.error("the data is already in the standard `conversation` format but a dataset_map_fn is "
-                       "set: set dataset_map_fn=None")
+        findings.error(f"{source or 'the data'}: the data is already in the standard `conversation` format but a "
+                       "dataset_map_fn is set: set dataset_map_fn=None")
     if args.get("pack_to_max_length") and not args.get("remove_unused_columns"):
         findings.warn("pack_to_max_length=True with remove_unused_columns=False: unused columns are removed "
                       "anyway when packing; set remove_unused_columns=True to say so")

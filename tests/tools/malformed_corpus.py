@@ -149,8 +149,8 @@ CASES = [
          "(dropped) (this row would be dropped)",
          dropped="empty conversation after dataset_map_fn: final user message without an answer (dropped)"),
     Case("standard_with_map_fn.jsonl", rows(standard(), standard()), OPENAI,
-         "ERROR: the data is already in the standard `conversation` format but a dataset_map_fn is set: set "
-         "dataset_map_fn=None"),
+         "ERROR: {path}: the data is already in the standard `conversation` format but a dataset_map_fn is set: "
+         "set dataset_map_fn=None"),
     # Counted, not errors: what the map fn changed, and a row cut away at max_length.
     Case("leading_assistant.jsonl", rows(chat(), {"messages": [{"role": "assistant", "content": "Hi!"},
                                                                *chat()["messages"]]}), OPENAI,
