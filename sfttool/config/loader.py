@@ -166,6 +166,8 @@ def misspelt_import(lazy: Any, path: Path) -> str | None:
 
 
 def _unknown_name(owner: str, name: str) -> str | None:
+    # Imported here, on this error path only: the data pipeline (and mmengine's registry under it) would
+    # add a fifth of a second to every command that loads a config, `list-cfg` included.
     from sfttool.dataset.errors import DatasetError
     from sfttool.dataset.resolve import resolve_map_fn
     from sfttool.registry import resolve_type
