@@ -8,15 +8,18 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import itertools
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator
+from types import ModuleType
+from typing import Any, Callable, Iterator
 
 _APPLIED: set[str] = set()
 
@@ -422,47 +425,133 @@ def inform(message: str) -> None:
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, *starts: str) -> None:
+    """Drops records whose message starts with one of ``starts`` (and holds ``holding``, when given)."""
+
+    def __init__(self, *starts: str, holding: str = "") -> None:
         super().__init__()
-        self.starts = starts
+        self.starts, self.holding = starts, holding
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        message = str(record.msg)
+        return not (message.startswith(self.starts) and self.holding in message)
 
 
 # mmengine 0.10's own WARNING lines that a user cannot act on: the visualizer wants a `metainfo` our
-# datasets do not have, and its checkpoint code builds the FileClient it deprecated itself.
-MMENGINE_NOISE = ("Dataset Dataset has no metainfo", '"FileClient" will be deprecated',
-                  '"HardDiskBackend" is the alias of "LocalBackend"')
+# datasets do not have ("Dataset Dataset has no metainfo", "Dataset StreamingPackedDataset has no
+# metainfo" for a stream), and its checkpoint code builds the FileClient it deprecated itself.
+MMENGINE_NOISE = (_DropMessages("Dataset ", holding="has no metainfo"),
+                  _DropMessages('"FileClient" will be deprecated', '"HardDiskBackend" is the alias of "LocalBackend"'))
 
 
-_MMENGINE_NOISE = _DropMessages(*MMENGINE_NOISE)
+class _OneLineLoadReport(logging.Filter):
+    """transformers 5 logs a table (``<Class> LOAD REPORT from: <path>``) of the weights a load left
+    newly initialised or unused, which is expected where sfttool loads a model for another head (a
+    reward model's score head; its adapter then brings the trained one): one line with the same facts."""
+
+    MEANING = {"MISSING": "newly initialised", "UNEXPECTED": "unused", "MISMATCH": "shape mismatch"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if " LOAD REPORT" not in text.split("\n", 1)[0]:
+            return True
+        head = re.sub(r"\x1b\[[0-9;]*m", "", text.split("\n", 1)[0]).replace(" LOAD REPORT", "")
+        by_status: dict[str, list[str]] = {}
+        for line in text.splitlines()[1:]:
+            cells = [cell.strip() for cell in line.split("|")]
+            if len(cells) > 2 and cells[0] and cells[0] != "Key" and not set(cells[0]) <= {"-", "+"}:
+                by_status.setdefault(cells[1], []).append(cells[0])
+        parts = [f"{len(keys)} {self.MEANING.get(status, status.lower())} ({', '.join(keys[:3])}"
+                 f"{', ...' if len(keys) > 3 else ''})" for status, keys in by_status.items()]
+        record.msg, record.args = f"loaded {head}: weights {'; '.join(parts) or 'as listed by transformers'}", ()
+        return True
+
+
+# transformers 5's progress bars for steps that take a fraction of a second; its others (downloads) stay.
+QUIET_PROGRESS_BARS = ("Loading weights", "Writing model shards")
+
+
+def _quiet_transformers_progress_bars(module: ModuleType) -> None:
+    """``transformers.utils.logging`` (5.x, ``set_tqdm_hook``): ``QUIET_PROGRESS_BARS`` drawn by its no-op bar."""
+    def hook(factory: Callable, args: tuple, kwargs: dict) -> Any:
+        quiet = kwargs.get("desc") in QUIET_PROGRESS_BARS
+        return module.EmptyTqdm(*args, **kwargs) if quiet else factory(*args, **kwargs)
+
+    if hasattr(module, "set_tqdm_hook"):
+        module.set_tqdm_hook(hook)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs an action on a module right after its first import, for noise a library sets up as it is
+    imported, without importing it (transformers takes seconds) in commands that never use it."""
+
+    def __init__(self) -> None:
+        self.actions: dict[str, Callable[[ModuleType], None]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        action = self.actions.pop(name, None)
+        if action is None:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                load = spec.loader.exec_module
+
+                def exec_then_act(module: ModuleType) -> None:
+                    load(module)
+                    action(module)
+
+                spec.loader.exec_module = exec_then_act
+                return spec
+        return None
+
+    def after_import(self, name: str, action: Callable[[ModuleType], None]) -> None:
+        if name in sys.modules:
+            action(sys.modules[name])
+        else:
+            self.actions[name] = action
+            if self not in sys.meta_path:
+                sys.meta_path.insert(0, self)
+
+
+_AFTER_IMPORT = _AfterImport()
 
 
 def quiet_library_noise() -> None:
-    """Messages of dependencies that are wrong or useless for a training run, each silenced
-    narrowly at its source:
+    """Messages of dependencies that are wrong or useless for sfttool's commands, each silenced
+    narrowly at its source, for every command (the CLI's group applies it, before any subcommand):
 
     - deepspeed 0.17-0.20 on a machine without a GPU warns "Setting accelerator to CPU. If
-      you have GPU ..." at import (mmengine's runner imports it even when DeepSpeed is unused);
+      you have GPU ..." at import (mmengine's runner, and peft, import it even when DeepSpeed is unused);
+    - bitsandbytes 0.50 tries, at import, to fetch a CPU inference kernel from the hub (see
+      ``quiet_bnb_cpu_kernel_warning``), and ``kernels`` 0.11+ says offline that it skips the trust
+      check of that very kernel: both are noise here;
+    - transformers 5 draws "Loading weights" and "Writing model shards" progress bars (a
+      fraction of a second each; ``QUIET_PROGRESS_BARS``) and logs a ``LOAD REPORT`` table (kept as one
+      line, ``_OneLineLoadReport``);
     - mmengine 0.10 (its own copy of torch's check) warns "Detected call of `scheduler.step()`
       before `optimizer.step()`" when the first iteration falls inside a gradient-accumulation
       window: it steps iteration-based schedules every iteration by design, so the order is intended;
-    - mmengine 0.10 logs ``MMENGINE_NOISE`` on every run (filtered on each MMLogger it creates);
     - peft 0.17-0.29 reads ``is_gradient_checkpointing``, which transformers 5 deprecated
-      (a FutureWarning on every LoRA model built)."""
+      (a FutureWarning on every LoRA model built or merged).
+
+    mmengine's own ``MMENGINE_NOISE`` is dropped from the terminal by ``quiet_console`` (the run's
+    log file keeps it). Nothing here imports a library: each filter waits for its logger or module."""
     if not _once("library_noise"):
         return
     logging.getLogger("DeepSpeed").addFilter(_DropMessages("Setting accelerator to CPU."))
+    quiet_bnb_cpu_kernel_warning()
+    logging.getLogger("kernels._internals.hf_hub").addFilter(
+        _DropMessages("Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"))
+    logging.getLogger("transformers.modeling_utils").addFilter(_OneLineLoadReport())
+    _AFTER_IMPORT.after_import("transformers.utils.logging", _quiet_transformers_progress_bars)
     warnings.filterwarnings("ignore", message=r"Detected call of `(lr_)?scheduler\.step\(\)` before "
                                               r"`optimizer\.step\(\)`", category=UserWarning)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    _patch_mmlogger()
 
 
 def _patch_mmlogger() -> None:
-    """Every MMLogger created from now on: the terminal filter of ``quiet_console`` and the
-    ``MMENGINE_NOISE`` filter."""
+    """Every MMLogger created from now on: on its terminal handler, the filter of ``quiet_console``
+    and the ``MMENGINE_NOISE`` filters (its log file handler keeps everything)."""
     if not _once("mmlogger_filters"):
         return
     from mmengine.logging import MMLogger
@@ -471,10 +560,11 @@ def _patch_mmlogger() -> None:
 
     def __init__(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
-        self.addFilter(_MMENGINE_NOISE)
         for handler in self.handlers:
             if type(handler) is logging.StreamHandler:  # the terminal; a FileHandler is a subclass
                 handler.addFilter(_CONSOLE)
+                for noise in MMENGINE_NOISE:
+                    handler.addFilter(noise)
 
     MMLogger.__init__ = __init__
 

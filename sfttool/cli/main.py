@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from sfttool import __version__
+from sfttool import __version__, compat
 from sfttool.cli.check_dataset import check_custom_dataset
 from sfttool.cli.chat import chat
 from sfttool.cli.configs import copy_cfg, list_cfg
@@ -22,6 +22,7 @@ from sfttool.cli.train import train
 @click.version_option(__version__, prog_name="sfttool")
 def cli() -> None:
     """Config-driven supervised fine-tuning of large language models."""
+    compat.quiet_library_noise()  # every subcommand: the dependencies' start-up noise, filtered at its source
 
 
 for command in (list_cfg, copy_cfg, train, check_custom_dataset, process_dataset,

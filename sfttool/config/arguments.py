@@ -9,6 +9,12 @@ signature, following ``**kwargs`` into base classes. A callable that still takes
 (a model's config attributes), so there only a name within a typo of a known one is reported.
 Arguments built lazily (``SupervisedFinetune``'s ``llm``) are nodes like any other: their own ``type``
 is checked, nothing is built.
+
+Dicts without ``type`` that a known function receives as keyword arguments are checked the same way:
+``optim_wrapper.clip_grad`` (``clip_grad_norm_``/``clip_grad_value_``, called at the first optimizer
+step; its required argument too), ``randomness``, ``log_processor``, ``env_cfg.mp_cfg``,
+``env_cfg.dist_cfg``, a ``val_cfg``/``test_cfg`` without ``type``; and the keys a library reads from
+a dict it keeps (``env_cfg``, ``optim_wrapper.paramwise_cfg``: ``ReadKeys``).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from typing import Any, Callable, Iterator
 # are building blocks that these hold copies of.
 ROOTS = ("model", "tokenizer", "train_dataloader", "val_dataloader", "test_dataloader", "optim_wrapper",
          "param_scheduler", "train_cfg", "val_cfg", "test_cfg", "val_evaluator", "test_evaluator",
-         "default_hooks", "custom_hooks", "visualizer")
+         "default_hooks", "custom_hooks", "visualizer", "randomness", "log_processor", "env_cfg")
 
 # mmengine's DataLoader keys it takes out before calling torch's DataLoader.
 _DATALOADER_KEYS = {"dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "num_batch_per_epoch"}
@@ -30,7 +36,16 @@ _DATALOADER_KEYS = {"dataset", "sampler", "batch_sampler", "collate_fn", "worker
 # Keys mmengine's builders (and sfttool's non-finite loss guard, `max_consecutive_nonfinite`) take out
 # of a node before calling its type, by the node's kind.
 _TAKEN = {"optim_wrapper": {"constructor", "paramwise_cfg", "max_consecutive_nonfinite"}, "hook": {"priority"},
-          "scheduler": {"convert_to_iter_based"}, "loop": {"by_epoch"}}
+          "scheduler": {"convert_to_iter_based"}, "loop": {"by_epoch"}, "clip_grad": {"type"}}
+
+
+class ReadKeys:
+    """The keys a library reads from a dict it does not unpack (``env_cfg``, ``paramwise_cfg``): checked
+    like a signature's names, read from its source so they follow the version."""
+
+    def __init__(self, name: str, keys: set[str]):
+        self.__name__, self.keys = name, keys
+
 
 # Close enough to a known name to be a typo of it (torch_dtpye -> torch_dtype: 0.91).
 _TYPO_CUTOFF = 0.8
@@ -39,7 +54,9 @@ _TYPO_CUTOFF = 0.8
 def check_arguments(cfg: Any, path: str) -> list[str]:
     """``'<file>: <key>: <Type> takes no argument `x` (did you mean y?)'`` for each unknown argument,
     every typed node of what the run builds, each problem once."""
-    return [error for key, node, fn, kind in typed_nodes(cfg) for error in _unknown(path, key, node, fn, kind)]
+    errors = [error for key, node, fn, kind in typed_nodes(cfg)
+              for error in _unknown(path, key, node, fn, kind) + _missing(path, key, node, fn, kind)]
+    return errors + _clip_type_problems(getattr(cfg, "_cfg_dict", cfg), path)
 
 
 def typed_nodes(cfg: Any) -> Iterator[tuple[str, dict, Callable, str]]:
@@ -52,6 +69,8 @@ def typed_nodes(cfg: Any) -> Iterator[tuple[str, dict, Callable, str]]:
         if root == "train_dataloader" and isinstance(node, dict) and node.get("dataset") is None:
             node = dict(node, dataset=cfg.get("train_dataset"))
         for key, node, fn, kind in _typed_nodes(node, root):
+            if key == "optim_wrapper.paramwise_cfg" and "constructor" in cfg["optim_wrapper"]:
+                continue  # its keys are the custom constructor's to read
             if not any(node == other and fn == other_fn for other, other_fn in seen):
                 seen.append((node, fn))
                 yield key, node, fn, kind
@@ -81,8 +100,8 @@ def _kind(key: str) -> str:
         return "sampler"
     if key in ("train_cfg", "val_cfg", "test_cfg"):
         return "loop"
-    if key == "optim_wrapper":
-        return "optim_wrapper"
+    if key in ("optim_wrapper", "optim_wrapper.clip_grad"):
+        return key.rsplit(".", 1)[-1]
     if key == "optim_wrapper.optimizer":
         return "optimizer"
     if key == "param_scheduler" or (parts[0] == "param_scheduler" and len(parts) == 2):
@@ -98,12 +117,62 @@ def _callable(node: dict, key: str, kind: str) -> Callable | None:
     if kind == "dataloader":
         from torch.utils.data import DataLoader
         return DataLoader
+    if kind == "clip_grad":
+        return _clip_function(node.get("type", "norm"))
     if "type" not in node and kind == "optim_wrapper":
         from mmengine.optim import OptimWrapper
         return OptimWrapper  # mmengine's default
     if "type" not in node:
-        return _loop_class(node) if kind == "loop" else None
+        return _loop_class(node, key) if kind == "loop" else _untyped(key)
     return _resolve(node.get("type"), kind)
+
+
+def _clip_function(clip_type: Any) -> Callable | None:
+    """mmengine's OptimWrapper calls ``clip_grad_norm_(params, **clip_grad)`` (``type='norm'``, the
+    default) or ``clip_grad_value_`` (``type='value'``) at the first optimizer step."""
+    import torch
+    return {"norm": torch.nn.utils.clip_grad_norm_, "value": torch.nn.utils.clip_grad_value_}.get(clip_type)
+
+
+def _untyped(key: str) -> Callable | ReadKeys | None:
+    """What receives a dict without ``type`` at ``key``: a function the runner unpacks it into, or the
+    keys a library reads from it."""
+    from mmengine.optim import DefaultOptimWrapperConstructor
+    from mmengine.runner import Runner
+    from mmengine.runner.log_processor import LogProcessor
+    from mmengine.utils.dl_utils import set_multi_processing
+    if key == "randomness":
+        return Runner.set_randomness
+    if key == "log_processor":
+        return LogProcessor
+    if key == "env_cfg.mp_cfg":
+        return set_multi_processing
+    if key == "env_cfg.dist_cfg":
+        return _dist_cfg_keys()
+    if key == "env_cfg":
+        return ReadKeys("Runner.setup_env", _read_keys(Runner.setup_env, "env_cfg"))
+    if key == "optim_wrapper.paramwise_cfg":
+        return ReadKeys("DefaultOptimWrapperConstructor",
+                        _read_keys(DefaultOptimWrapperConstructor, r"self\.paramwise_cfg"))
+    return None
+
+
+def _dist_cfg_keys() -> ReadKeys:
+    """mmengine's ``init_dist(launcher, **dist_cfg)`` hands what it does not name to torch's
+    ``init_process_group``."""
+    from mmengine.dist import init_dist
+    from torch.distributed import init_process_group
+    names = accepted_arguments(init_dist)[0] | accepted_arguments(init_process_group)[0]
+    return ReadKeys("init_dist", names - {"launcher", "rank", "world_size"})
+
+
+def _read_keys(fn: Any, holder: str) -> set[str]:
+    """The keys ``fn``'s source reads from ``holder`` (``holder.get('x')``, ``holder['x']``)."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(rf"{holder}(?:\.get\(\s*|\[)[\"'](\w+)", source))
 
 
 def _resolve(type_: Any, kind: str) -> Callable | None:
@@ -134,8 +203,11 @@ def _registry(kind: str) -> Any:
             "visualizer": r.VISUALIZERS}.get(kind)
 
 
-def _loop_class(node: dict) -> Any:
-    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
+def _loop_class(node: dict, key: str) -> Any:
+    """The loop mmengine builds from a loop config without ``type``."""
+    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
+    if key != "train_cfg":
+        return ValLoop if key == "val_cfg" else TestLoop
     if "by_epoch" not in node:
         return None  # mmengine needs `type` or `by_epoch`; the build says so
     return EpochBasedTrainLoop if node["by_epoch"] else IterBasedTrainLoop
@@ -152,8 +224,27 @@ def _unknown(path: str, key: str, node: dict, fn: Callable, kind: str) -> list[s
         if open_ended and not close:
             continue  # **kwargs takes it (a model config attribute, a reader option)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        out.append(f"{path}: {key}.{arg}: {_name(fn)} takes no argument `{arg}`{hint}")
+        takes = "reads no key" if isinstance(fn, ReadKeys) else "takes no argument"
+        out.append(f"{path}: {key}.{arg}: {_name(fn)} {takes} `{arg}`{hint}")
     return out
+
+
+def _missing(path: str, key: str, node: dict, fn: Callable, kind: str) -> list[str]:
+    """The required arguments a ``clip_grad`` dict lacks: mmengine passes only the parameters."""
+    if kind != "clip_grad":
+        return []
+    required = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD and p.name != "parameters"]
+    return [f"{path}: {key}: {_name(fn)} needs `{name}` (e.g. {key}=dict({name}=1.0))"
+            for name in required if name not in node]
+
+
+def _clip_type_problems(cfg: Any, path: str) -> list[str]:
+    clip = (cfg.get("optim_wrapper") or {}).get("clip_grad") if isinstance(cfg, dict) else None
+    if isinstance(clip, dict) and _clip_function(clip.get("type", "norm")) is None:
+        return [f"{path}: optim_wrapper.clip_grad.type: {clip.get('type')!r} is not a kind of clipping mmengine "
+                "knows; use 'norm' (clip_grad_norm_, the default) or 'value' (clip_grad_value_)"]
+    return []
 
 
 def _name(fn: Any) -> str:
@@ -170,6 +261,8 @@ def accepted_arguments(fn: Any) -> tuple[set[str], bool]:
     >>> accepted_arguments(lambda a, *, b=1: None)
     ({'a', 'b'}, False)
     """
+    if isinstance(fn, ReadKeys):
+        return set(fn.keys), False
     names: set[str] = set()
     for target in _signature_targets(fn):
         try:

@@ -5,7 +5,7 @@ import difflib
 import importlib.resources
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from sfttool import compat
 from sfttool.config import overrides
@@ -126,11 +126,16 @@ def resolve_lazy_imports(cfg, path: Path) -> None:
     """mmengine imports a pure-Python config's ``from x import y`` lazily, so a
     misspelt name would only fail deep inside a build. Touch every value now
     (reading a key of a ``ConfigDict`` performs its pending import) so the
-    error names the config file and line instead."""
+    error names the config file and line instead, in the words an override of
+    the same name gets (``misspelt_import``)."""
     def walk(node) -> None:
         if isinstance(node, dict):
             for key in list(node.keys()):
-                walk(node[key])
+                try:
+                    value = node[key]
+                except ImportError as exc:
+                    raise ConfigError(misspelt_import(dict.get(node, key), path) or f"{path}: {exc}") from None
+                walk(value)
         elif isinstance(node, (list, tuple)):
             for item in node:
                 walk(item)
@@ -139,3 +144,53 @@ def resolve_lazy_imports(cfg, path: Path) -> None:
         walk(cfg._cfg_dict)
     except ImportError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def misspelt_import(lazy: Any, path: Path) -> str | None:
+    """``<file>, line <n>: unknown prompt template 'qwen_chatt'; valid names: qwen_chat, ...`` for a name a
+    config imports from sfttool that does not exist (``PROMPT_TEMPLATE.qwen_chatt``, ``from
+    sfttool.dataset.map_fns import alpaca_map_fnn``): what ``--cfg-options`` says for the same name,
+    with the line. None for anything else (mmengine's own message stands)."""
+    from mmengine.config.lazy import LazyAttr, LazyObject
+    if isinstance(lazy, LazyAttr):
+        owner, name, location = lazy.module, lazy.name, None
+    elif isinstance(lazy, LazyObject) and isinstance(lazy._module, str) and lazy._imported:
+        owner, name, location = lazy._module, lazy._imported, lazy.location
+    else:
+        return None
+    if not owner.startswith("sfttool."):
+        return None
+    message = _unknown_name(owner, name)
+    where = location or _first_use(path, f"{owner.rsplit('.', 1)[-1]}.{name}")
+    return f"{where}: {message}" if message else None
+
+
+def _unknown_name(owner: str, name: str) -> str | None:
+    # Imported here, on this error path only: the data pipeline (and mmengine's registry under it) would
+    # add a fifth of a second to every command that loads a config, `list-cfg` included.
+    from sfttool.dataset.errors import DatasetError
+    from sfttool.dataset.resolve import resolve_map_fn
+    from sfttool.registry import resolve_type
+    from sfttool.utils.templates import get_template
+    try:
+        if owner.endswith(".PROMPT_TEMPLATE"):
+            get_template(name)
+        elif owner == "sfttool.dataset.map_fns":
+            resolve_map_fn(name)
+        else:
+            container = resolve_type(owner)
+            names = container if isinstance(container, dict) else getattr(container, "__all__", dir(container))
+            known = sorted(k for k in names if not k.startswith("_"))
+            close = difflib.get_close_matches(name, known, n=3)
+            return (f"{owner} has no {name!r}; valid names: "
+                    f"{', '.join(close + [k for k in known if k not in close])}")
+    except (ValueError, DatasetError) as exc:
+        return str(exc)
+    return None
+
+
+def _first_use(path: Path, text: str) -> str:
+    """``<file>, line <n>`` of the first line of ``path`` holding ``text`` (``<file>`` without one)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    number = next((i for i, line in enumerate(lines, 1) if text in line), None)
+    return f"{path}, line {number}" if number else str(path)

@@ -23,18 +23,28 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from sfttool.dataset.data_path import data_source
+from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.fingerprint import describe, file_digest, tokenizer_digest
-from sfttool.registry import build_if_config
+from sfttool.dataset.load import expand_data_files
+from sfttool.dataset.resolve import json_source_files, resolve_dataset, rows_config, source_name
+from sfttool.registry import build_if_config, type_name
 
 CACHE_FORMAT = 1
 REPORT_FILE = "sfttool_report.json"
 
 
 def data_files_digest(dataset_cfg: Any) -> list:
-    """Content hashes of the local files a dataset config reads."""
-    from sfttool.dataset.load import expand_data_files
+    """Content hashes of the local files a dataset config reads (under a ``validation_split`` too:
+    ``rows_config``); ``data_path``'s files as ``load_data_path`` finds them (a glob, a folder)."""
+    dataset_cfg = rows_config(dataset_cfg)
     if not isinstance(dataset_cfg, dict):
         return []
+    if type_name(dataset_cfg.get("type")) == "load_data_path" and isinstance(dataset_cfg.get("path"), str):
+        try:
+            dataset_cfg = data_source(dataset_cfg["path"])
+        except DatasetError:
+            return []  # a missing path: loading it names it
     files = expand_data_files(dataset_cfg.get("data_files"))
     for folder in (dataset_cfg.get("path"), dataset_cfg.get("data_dir")):
         if isinstance(folder, str) and Path(folder).exists():
@@ -78,7 +88,6 @@ def cached_pipeline(cache_dir: str | os.PathLike, args: dict, run_pipeline: Call
     from sfttool.dataset.report import PipelineReport, log, log_report
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     args = {**args, "tokenizer": tokenizer}
-    from sfttool.dataset.resolve import json_source_files, resolve_dataset, source_name
     if not json_source_files(args["dataset"]):
         # A hub dataset, a custom loader, load_from_disk...: its config does not say what it holds (local
         # JSON files are hashed by data_files_digest), so build it and key the cache by its datasets
@@ -97,7 +106,7 @@ def cached_pipeline(cache_dir: str | os.PathLike, args: dict, run_pipeline: Call
 
 
 def _report_json(report, cls) -> str:
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages",)}
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages", "emptied")}
     fields["pack"] = dataclasses.asdict(report.pack) if report.pack is not None else None
     fields["sample_lengths"] = len(fields["sample_lengths"])  # the count is enough
     return json.dumps(fields, indent=1)

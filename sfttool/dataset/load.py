@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import lzma
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -67,7 +68,7 @@ def local_json_files(path: Any, data_files: Any) -> list[str]:
 _UNOPENED = (".zst", ".zip", ".lz4", ".tar")
 
 
-def _open_binary(path: Path):
+def open_binary(path: Path):
     return _OPENERS.get(path.suffix.lower(), open)(path, "rb")
 
 
@@ -82,12 +83,12 @@ def iter_json_rows(path: str | Path, field: str | None = None,
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     decoder = json.JSONDecoder(object_pairs_hook=_KeepLast(duplicates))
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         head = f.read(4096).removeprefix(_BOM).lstrip()
     if field is not None or head.startswith(b"["):
         yield from _iter_json_document(path, field, decoder)
         return
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         for line_no, raw in enumerate(f, 1):
             line = _decode(raw.removeprefix(_BOM) if line_no == 1 else raw, path, f"line {line_no}")
             if not line.strip():
@@ -98,8 +99,7 @@ def iter_json_rows(path: str | Path, field: str | None = None,
                 if line_no == 1 and exc.msg == "Expecting property name enclosed in double quotes":
                     yield from _iter_json_document(path, field, decoder)  # one object spread over several lines
                     return
-                raise DatasetError(f"{path}, line {line_no}: invalid JSON ({_json_problem(exc)}); "
-                                   "each line must be one JSON object (or the file one JSON array)") from None
+                raise DatasetError(f"{path}, line {line_no}: invalid JSON{_json_problem(exc)}") from None
             if "\\ud" in line.lower():
                 _check_surrogates(row, path, f"line {line_no}")
             yield f"line {line_no}", row
@@ -141,10 +141,24 @@ def duplicated_keys(row: Any, duplicates: dict[int, list[str]]) -> list[str]:
     return sorted(set(found))
 
 
-def _json_problem(exc: json.JSONDecodeError) -> str:
-    """``Expecting ',' delimiter at column 7``; json's own messages may end in "at"
-    ("Unterminated string starting at"), which must not read "at at column"."""
-    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+def _json_problem(exc: json.JSONDecodeError, where: str = "line") -> str:
+    """What follows "invalid JSON" for ``exc``, read in a ``where`` ("line" or "file"): json's own
+    message at its column (``(Expecting ',' delimiter at column 7)``; a message ending in "at",
+    "Unterminated string starting at", must not read "at at column"), or the cause said for two
+    cases: the text ends inside an unfinished object, array or string (a writer stopped mid-row),
+    and a comma before a closing bracket (JSON allows no trailing comma)."""
+    text, message = exc.doc, exc.msg.removesuffix(" at")
+    unterminated = message.startswith("Unterminated string")  # json points at where the string starts
+    cut = unterminated or not text[exc.pos:].strip()
+    pos = min(exc.pos, len(text.rstrip())) if cut and not unterminated else exc.pos
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    if cut:
+        return (f": the {where} ends before its last object, array or string is closed ({message} at column "
+                f"{column}); it was cut off (a writer stopped mid-row?): complete it or remove it")
+    if text[:pos].rstrip().endswith(",") and text[pos] in "]}":
+        return f": a comma before {text[pos]!r} at column {column}; JSON allows no trailing comma: remove it"
+    return f" ({message} at column {column})" + (
+        "; each line must be one JSON object (or the file one JSON array)" if where == "line" else "")
 
 
 _BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; datasets reads such files
@@ -168,7 +182,7 @@ def _check_surrogates(row: Any, path: Path, location: str) -> None:
 
 
 def _iter_json_document(path: Path, field: str | None, decoder: json.JSONDecoder) -> Iterator[tuple[str, Any]]:
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         text = _decode(f.read().removeprefix(_BOM), path, "somewhere")
     _forget(decoder.object_pairs_hook.duplicates)  # left by a failed attempt to read lines
     try:
@@ -176,7 +190,7 @@ def _iter_json_document(path: Path, field: str | None, decoder: json.JSONDecoder
     except json.JSONDecodeError as exc:
         _forget(decoder.object_pairs_hook.duplicates)
         if exc.msg != "Extra data" or field is not None:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON{_json_problem(exc, 'file')}") from None
         yield from _iter_json_values(text, path, decoder)  # several JSON values one after another, as datasets reads
         return
     if field is not None:
@@ -206,7 +220,7 @@ def _iter_json_values(text: str, path: Path, decoder: json.JSONDecoder) -> Itera
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON ({_json_problem(exc)})") from None
+            raise DatasetError(f"{path}, line {exc.lineno}: invalid JSON{_json_problem(exc, 'file')}") from None
         yield f"line {line}", row
         _forget(getattr(decoder.object_pairs_hook, "duplicates", None))
 
@@ -221,10 +235,33 @@ def check_json_file(path: str | Path, standard: bool | None = None, field: str |
     objects with a repeated key (Arrow's JSON reader refuses them; Python's
     would keep the last value silently): one error counting the rows and
     naming the first few.
+
+    A file that passed is not parsed again in this process while its content is the same (a
+    training part and its held-out part load the same file): its bytes are hashed instead, which
+    is about a hundred times faster than parsing them.
     """
     from sfttool.dataset.stages import gc_paused
-    with gc_paused():  # every row is parsed into dicts and lists that reference counting frees
-        return _check_rows(path, standard, field)
+    key = (os.path.realpath(path), standard, field, _content_digest(path))
+    if key not in _CHECKED:
+        with gc_paused():  # every row is parsed into dicts and lists that reference counting frees
+            _CHECKED[key] = _check_rows(path, standard, field)
+    return _CHECKED[key]
+
+
+# (path, standard, field, content digest) -> rows, for the files that passed ``check_json_file``.
+_CHECKED: dict[tuple, int] = {}
+
+
+def _content_digest(path: str | Path) -> str | None:
+    import xxhash  # a datasets dependency; its own fingerprints' hash
+    try:
+        with open(path, "rb") as f:
+            digest = xxhash.xxh3_128()
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    except OSError:
+        return None  # reading it again names the problem
+    return digest.hexdigest()
 
 
 def _check_rows(path: str | Path, standard: bool | None, field: str | None) -> int:
@@ -240,7 +277,7 @@ def _check_rows(path: str | Path, standard: bool | None, field: str | None) -> i
         if keys := duplicated_keys(row, duplicates):
             repeated.append(f"{here} ({', '.join(map(repr, keys))})")
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}, {here}: expected a JSON object, got {type(row).__name__}")
+            raise DatasetError(f"{path}, {here}: expected a JSON object, got {_kind(row)}")
         if standard or (standard is None and "conversation" in row):
             check_conversation(row.get("conversation"), source=f"{path}, {here}")
         for name, kind in _field_kinds(row if typed is None else {k: row[k] for k in typed if k in row}):

@@ -28,7 +28,7 @@ from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, lo
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
-                                    drop_untrained_rows, fn_name, map_batch, missing_conversation,
+                                    drop_untrained_rows, fn_name, map_batch, missing_conversation, note_emptied,
                                     pretokenized_table, record_truncation, to_table)
 from sfttool.registry import build_if_config
 
@@ -73,8 +73,11 @@ def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, r
     notes = _column(dataset, NOTES_COLUMN)
     changed = np.flatnonzero(pc.utf8_length(notes).to_numpy(zero_copy_only=False) > 0)
     if len(changed):  # few rows: only those pass through Python
-        count_notes(report, [n.split("\n") for n in notes.take(changed).to_pylist()],
-                    _row_numbers(dataset)[changed].tolist())
+        changes = [n.split("\n") for n in notes.take(changed).to_pylist()]
+        numbers = _row_numbers(dataset)[changed].tolist()
+        count_notes(report, changes, numbers)
+        if "conversation" in dataset.column_names:  # what emptied a conversation is the cause of its drop
+            note_emptied(report, dataset.select(changed)["conversation"], changes, numbers)
     return dataset.remove_columns([NOTES_COLUMN])
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from sfttool.dataset.errors import EXAMPLES, examples
 
@@ -21,6 +21,16 @@ DROP_SUBSET = "over max_dataset_length"
 
 def drop_prompt_too_long(max_length: int) -> str:
     return f"prompt longer than max_length={max_length} (the answer was cut away)"
+
+
+def drop_emptied(notes: Sequence[str] = ()) -> str:
+    """Why a row with an empty conversation is dropped: ``DROP_EMPTY``, with what the dataset map fn
+    changed when that emptied it, so the one cause is said (``train`` and ``check-custom-dataset`` alike).
+
+    >>> drop_emptied(['conversation starts with an assistant message (dropped: nothing asked it)'])
+    'empty conversation after dataset_map_fn: conversation starts with an assistant message (dropped: nothing asked it)'
+    """
+    return f"{DROP_EMPTY} after dataset_map_fn: {'; '.join(notes)}" if notes else DROP_EMPTY
 
 
 @dataclass
@@ -43,6 +53,8 @@ class PipelineReport:
     rows_out: int = 0
     stages: dict[str, Any] = field(default_factory=dict)
     split: dict[int, int] = field(default_factory=dict)  # samples a conversation became (> 1) -> conversations
+    # Rows the dataset map fn left with an empty conversation -> what it changed, until they are dropped.
+    emptied: dict[int, list[str]] = field(default_factory=dict)
 
     def drop(self, reason: str, rows: list[str], count: int | None = None) -> None:
         """Count ``count`` (default: ``len(rows)``) dropped rows; keep the first rows' names."""

@@ -9,24 +9,62 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import DatasetError
-from sfttool.registry import MAP_FUNC, build_if_config, type_name
+from sfttool.dataset.load import check_json_file, expand_data_files, local_json_files
+from sfttool.dataset.source import DataSource, read_failure, reader_errors
+from sfttool.registry import MAP_FUNC, ConfigBuildError, build, build_if_config, resolve_type, type_name
 
 
 def dataset_config(dataset: Any) -> Any:
     """A dataset config with its own arguments built (``data_files=dict(type=builtin_data_file, ...)``
-    becomes a path) but not itself, so the files can be checked before ``load_dataset`` runs."""
-    from sfttool.registry import build
+    becomes a path) but not itself, so the files can be checked before ``load_dataset`` runs. An
+    argument its builder takes unbuilt (``validation_split``'s ``dataset``) stays a config, made
+    the same way, so the files under it can be checked too."""
     if not (isinstance(dataset, dict) and "type" in dataset):
         return dataset
-    return dict(type=dataset["type"], **{k: build(v, f"dataset.{k}") for k, v in dataset.items() if k != "type"})
+    unbuilt = getattr(resolve_type(dataset["type"], "dataset.type"), "build_args_lazily", ())
+    return dict(type=dataset["type"], **{k: dataset_config(v) if k in unbuilt else build(v, f"dataset.{k}")
+                                         for k, v in dataset.items() if k != "type"})
+
+
+def rows_config(dataset_cfg: Any) -> Any:
+    """The config of the dataset whose rows ``dataset_cfg`` holds: itself, or, for a builder that takes
+    its rows from another dataset config and says which with ``rows_from`` (``validation_split``:
+    the loaded data, or ``val_data_path`` for its held-out part), that one's. Files are checked,
+    named in errors and hashed for the cache through it.
+
+    >>> rows_config(dict(type=validation_split, dataset=dict(type=load_data_path, path='d.jsonl'),
+    ...                  part='train', val_ratio=0.1))     # doctest: +SKIP
+    {'type': <function load_data_path ...>, 'path': 'd.jsonl'}
+    """
+    while isinstance(dataset_cfg, dict) and "type" in dataset_cfg:
+        try:
+            rows_from = getattr(resolve_type(dataset_cfg["type"]), "rows_from", None)
+        except ConfigBuildError:
+            return dataset_cfg  # building it says what is wrong
+        if rows_from is None:
+            return dataset_cfg
+        dataset_cfg = rows_from(dataset_cfg)
+    return dataset_cfg
 
 
 def resolve_dataset(dataset: Any, split: str, validate: bool = True):
-    """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``)."""
+    """A built ``datasets.Dataset`` from an object or a config (DatasetDict -> ``split``). Local JSON
+    files are checked line by line first (``validate``); a file ``datasets`` still cannot read is
+    one DatasetError naming it, not the library's traceback."""
     if validate:
         validate_json_source(dataset)
-    return pick_split(build_if_config(dataset, "dataset"), split)
+    return pick_split(build_loaded(dataset), split)
+
+
+def build_loaded(dataset: Any) -> Any:
+    """``build_if_config(dataset)`` with the data readers' failures (Arrow, ``datasets``' generation
+    error) as one line naming the data (``source.read_failure``)."""
+    try:
+        return build_if_config(dataset, "dataset")
+    except reader_errors() as exc:
+        raise read_failure(exc, source_name(dataset)) from None
 
 
 def pick_split(dataset: Any, split: str) -> Any:
@@ -41,14 +79,13 @@ def pick_split(dataset: Any, split: str) -> Any:
 
 def json_source_files(dataset_cfg: Any) -> list[str]:
     """The local JSON files a ``dict(type=load_dataset, path='json', data_files=...)`` or a
-    ``dict(type=load_data_path, path=...)`` config reads; [] for any other dataset (the hub, a
-    custom loader, a built dataset)."""
-    from sfttool.dataset.load import local_json_files
+    ``dict(type=load_data_path, path=...)`` config reads, also under a ``validation_split``
+    (``rows_config``); [] for any other dataset (the hub, a custom loader, a built dataset)."""
+    dataset_cfg = rows_config(dataset_cfg)
     if not isinstance(dataset_cfg, dict) or "type" not in dataset_cfg:
         return []
     name = type_name(dataset_cfg["type"])
     if name == "load_data_path":
-        from sfttool.dataset.data_path import data_source
         try:
             source = data_source(dataset_cfg.get("path"))
         except DatasetError:
@@ -62,9 +99,9 @@ def json_source_files(dataset_cfg: Any) -> list[str]:
 def validate_json_source(dataset_cfg: Any) -> None:
     """Check every line of the local JSON files a dataset config reads, so a malformed one is
     reported by file and line, not by Arrow."""
-    from sfttool.dataset.load import check_json_file
+    field = rows_config(dataset_cfg).get("field") if isinstance(dataset_cfg, dict) else None
     for file in json_source_files(dataset_cfg):
-        check_json_file(file, field=dataset_cfg.get("field"))
+        check_json_file(file, field=field)
 
 
 def resolve_map_fn(map_fn: Any) -> Callable | None:
@@ -113,12 +150,29 @@ def _user_value_error(fn: Callable, *args: Any) -> Any:
 
 
 def source_name(dataset_cfg: Any) -> str | None:
-    """The data file(s) a dataset config reads, for error messages."""
+    """The data file(s) a dataset config reads (``rows_config``), for error messages: a ``DataSource``
+    that can read a row again from its file where the rows are read from local JSON files in order."""
+    dataset_cfg = rows_config(dataset_cfg)
     if not isinstance(dataset_cfg, dict):
         return None
     files = dataset_cfg.get("data_files")
     if isinstance(files, dict):
         files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
     if isinstance(files, (list, tuple)):
-        return ", ".join(map(str, files))
-    return str(files) if files else dataset_cfg.get("path")
+        name = ", ".join(map(str, files))
+    else:
+        name = str(files) if files else dataset_cfg.get("path")
+    rows_files = _row_files(dataset_cfg)
+    return DataSource(name, rows_files, dataset_cfg.get("field")) if name and rows_files else name
+
+
+def _row_files(dataset_cfg: dict) -> list[str]:
+    """The JSON files whose rows, in order, are the loaded rows (row N of the data is row N of them
+    all); [] when that is not so (several splits' files, a file only ``datasets`` reads)."""
+    files = json_source_files(dataset_cfg)
+    data_files = dataset_cfg.get("data_files")
+    if type_name(dataset_cfg.get("type")) == "load_data_path" and files:
+        data_files = data_source(dataset_cfg.get("path")).get("data_files")
+    if isinstance(data_files, dict) and len(data_files) > 1:
+        return []
+    return files if len(files) == len(expand_data_files(data_files)) else []

@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from sfttool.dataset.data_path import data_source, load_data_path
 from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.pipeline import log, number_rows
+from sfttool.dataset.resolve import resolve_dataset
 from sfttool.registry import BUILDER
 
 PARTS = ("train", "val")
@@ -45,8 +48,6 @@ def validation_split(dataset: Any, part: str, val_ratio: float | None = None, va
     """One part of the raw rows: ``part='train'`` the rows to train on, ``part='val'`` the rows to
     validate on. ``val_data_path`` (read by the ``data_path`` rules: a hub name, a local file, a
     folder or a glob) wins over ``val_ratio``; with neither, 'train' is every row."""
-    from sfttool.dataset.resolve import resolve_dataset
-
     _check(part, val_ratio, max_val_rows)
     if part == "val" and val_data_path:
         return load_validation_data(val_data_path, split)
@@ -59,9 +60,20 @@ def validation_split(dataset: Any, part: str, val_ratio: float | None = None, va
     return _ratio_part(dataset, part, val_ratio, max_val_rows, seed)
 
 
-def _ratio_part(dataset: Any, part: str, val_ratio: float, max_val_rows: int | None, seed: int):
-    from sfttool.dataset.pipeline import log, number_rows
+def _rows_from(node: dict) -> Any:
+    """The config of the data a ``validation_split`` node's part is drawn from (``resolve.rows_config``)."""
+    if node.get("part") == "val" and node.get("val_data_path"):
+        return dict(type=load_data_path, path=node["val_data_path"])
+    return node.get("dataset")
 
+
+# The registry hands `dataset` over unbuilt: its local JSON files are checked line by line before
+# Arrow reads them (a traceback otherwise), and checks and errors see through this wrapper to them.
+validation_split.build_args_lazily = ("dataset",)
+validation_split.rows_from = _rows_from
+
+
+def _ratio_part(dataset: Any, part: str, val_ratio: float, max_val_rows: int | None, seed: int):
     rows = len(dataset)
     count = held_out_count(rows, val_ratio, max_val_rows)
     if count >= rows:
@@ -78,9 +90,6 @@ def _ratio_part(dataset: Any, part: str, val_ratio: float, max_val_rows: int | N
 def load_validation_data(val_data_path: Any, split: str = "train"):
     """``val_data_path``, read by the ``data_path`` rules (a hub name, a local .json/.jsonl/.csv/.parquet
     file, a folder or a glob); local JSON files are checked line by line first, as training files are."""
-    from sfttool.dataset.data_path import data_source, load_data_path
-    from sfttool.dataset.resolve import resolve_dataset
-
     data_source(val_data_path, key="val_data_path")  # a missing file is named by its own setting
     return resolve_dataset(dict(type=load_data_path, path=val_data_path), split)
 

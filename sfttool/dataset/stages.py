@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sfttool.dataset.conversation import with_every_key
+from sfttool.dataset.conversation import is_empty, with_every_key
 from sfttool.dataset.encode import UNTRAINED_MASKED
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.report import DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long
+from sfttool.dataset.report import (DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_emptied,
+                                    drop_prompt_too_long)
 from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
@@ -65,12 +66,29 @@ class SafeMapFn:
         try:
             mapped = self.fn(row, notes=notes) if self.takes_notes and notes is not None else self.fn(row)
         except Exception as exc:  # a user fn may raise anything: report where
+            exc, row = self._as_in_file(exc, row, index)
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} failed: "
                                f"{type(exc).__name__}: {exc}{self._hint(row)}") from None
         if not isinstance(mapped, Mapping):
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} returned "
                                f"{type(mapped).__name__}, not a dict")
         return mapped
+
+    def _as_in_file(self, exc: Exception, row: Any, index: int) -> tuple[Exception, Any]:
+        """A field the fn found null may be missing from the row in its file (Arrow fills it with null):
+        then the fn's error for the row as the file has it (``DataSource.raw_row``), which says so."""
+        raw_row = getattr(self.source, "raw_row", None)
+        field = getattr(exc, "null_field", None)
+        if raw_row is None or field is None:
+            return exc, row
+        in_file = raw_row(index)
+        if not isinstance(in_file, Mapping) or field in in_file:
+            return exc, row
+        try:
+            self.fn(in_file)
+        except Exception as again:
+            return again, in_file
+        return exc, row
 
     def _hint(self, row: Any) -> str:
         from sfttool.dataset.map_fns.suggest import fitting_map_fn
@@ -157,9 +175,23 @@ def count_drops(report: PipelineReport, reason: str, dropped: Sequence[bool], ro
     report.drop(reason, [row_name(n) for n, d in zip(row_numbers, dropped) if d])
 
 
+def note_emptied(report: PipelineReport, conversations: Sequence[Any], notes: Sequence[Sequence[str]],
+                 row_numbers: Sequence[int]) -> None:
+    """Keep what the dataset map fn changed in the rows it left with an empty conversation: the cause
+    ``drop_empty_rows`` gives for them (``report.drop_emptied``)."""
+    for conversation, row_notes, number in zip(conversations, notes, row_numbers):
+        if row_notes and is_empty(conversation):
+            report.emptied[number] = list(row_notes)
+
+
 def drop_empty_rows(report: PipelineReport, empty: Sequence[bool], row_numbers: Sequence[int]) -> list[bool]:
-    """Rows whose conversation is empty are dropped, counted; returns the keep mask."""
-    count_drops(report, DROP_EMPTY, empty, row_numbers)
+    """Rows whose conversation is empty are dropped, counted by cause; returns the keep mask."""
+    causes: dict[str, list[str]] = {}
+    for is_dropped, number in zip(empty, row_numbers):
+        if is_dropped:
+            causes.setdefault(drop_emptied(report.emptied.pop(number, ())), []).append(row_name(number))
+    for cause, rows in causes.items():
+        report.drop(cause, rows)
     return [not e for e in empty]
 
 

@@ -33,8 +33,9 @@ from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_strea
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.report import PipelineReport, count_split, log, split_lines, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
+from sfttool.dataset.source import read_explained
 from sfttool.dataset.stages import (check_dicts, count_ignored_fields, count_notes, drop_empty_rows,
-                                    drop_untrained_rows, gc_paused, map_rows, missing_conversation)
+                                    drop_untrained_rows, gc_paused, map_rows, missing_conversation, note_emptied)
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -134,6 +135,7 @@ class StreamingEncoder:
         if self.dataset_map_fn is not None:
             mapped, notes = map_rows(rows, numbers, self.dataset_map_fn, source)
             count_notes(stats, notes, numbers)
+            note_emptied(stats, [m.get("conversation") for m in mapped], notes, numbers)
             rows = [{**row, **m} for row, m in zip(rows, mapped)]
         for row, number in zip(rows, numbers):
             if "conversation" not in row:
@@ -325,7 +327,8 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Sample]:
         reader, epoch = _reader(), self.epoch
         stats = self.pass_stats = PipelineReport()
-        samples = self._samples(_shard(self.dataset, *reader, epoch), self._share_name(reader), stats)
+        rows = read_explained(_shard(self.dataset, *reader, epoch), self.source)  # a malformed line: one line
+        samples = self._samples(rows, self._share_name(reader), stats)
         if not self.pack_to_max_length:
             rows: Iterator[Sample] = map(single_sample_row, samples)
         else:

@@ -50,6 +50,14 @@ def split_markers(template: Any, tokenizer) -> list[str]:
     return warnings
 
 
+def template_warnings(template: Any, tokenizer) -> list[str]:
+    """Everything ``check-custom-dataset`` and ``train`` say about ``template`` for ``tokenizer``: a render
+    that differs from the tokenizer's chat_template first (it names the first differing text), then each
+    role marker the tokenizer splits."""
+    mismatch = template_mismatch(template, tokenizer)
+    return ([mismatch] if mismatch else []) + split_markers(template, tokenizer)
+
+
 def template_mismatch(template: Any, tokenizer) -> str | None:
     """How ``template`` renders differently from the tokenizer's own ``chat_template`` (the first
     differing text of each), or None when they agree, when there is nothing to compare, or when the

@@ -17,8 +17,12 @@ from mmengine.logging import print_log
 
 from sfttool.config import ConfigError, find_config
 from sfttool.config.settings import setting
+from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset
+from sfttool.dataset.resolve import template_of
+from sfttool.dataset.template_check import template_warnings
 from sfttool.engine.safety import WorkDirError, apply_trust_remote_code, check_work_dir_writable, remote_code_warning
 from sfttool.model.build import configured_dtype
+from sfttool.registry import build_if_config
 from sfttool.utils.checkpoint_file import find_latest_checkpoint
 
 # On a machine without a GPU a half-precision model is loaded in float32 unless this is set to 1.
@@ -143,24 +147,16 @@ def model_cfg_in(model_cfg: Any, dtype: str | None) -> Any:
 # Checks of what was built.
 
 def template_problems(cfg: Any) -> list[str]:
-    """What ``check-custom-dataset`` finds wrong with the template for this tokenizer: markers that
-    are not special tokens, a render that differs from the tokenizer's own chat_template."""
-    from sfttool.dataset.resolve import template_of
-    from sfttool.registry import build_if_config
-    from sfttool.tools.check_dataset import (Findings, check_against_chat_template, check_markers,
-                                             dataset_node, is_process_hf_dataset)
-
+    """What ``check-custom-dataset`` finds wrong with the template for this tokenizer: a render that
+    differs from the tokenizer's own chat_template, markers that are not special tokens."""
     node = dataset_node(cfg)
     if not is_process_hf_dataset(node) or node.get("template_map_fn") is None:
         return []
     template = template_of(node["template_map_fn"])
     if template is None:
         return []
-    findings = Findings(lambda message: None)
     tokenizer = build_if_config(node["tokenizer"], "train_dataloader.dataset.tokenizer")
-    check_against_chat_template(template, tokenizer, findings)  # first: it names the first differing text
-    check_markers(template, tokenizer, findings)
-    return findings.warnings
+    return template_warnings(template, tokenizer)
 
 
 def check_template(cfg: Any, strict: bool) -> None:

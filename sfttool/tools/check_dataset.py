@@ -15,79 +15,42 @@ differently from the tokenizer's own ``chat_template``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+from typing import Any
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.registry import resolve_type
-
-Echo = Callable[[str], None]
-MASK_OPEN, MASK_CLOSE = "[MASKED:", "]"
-
-
-class Findings:
-    """Errors and warnings collected while checking."""
-
-    def __init__(self, echo: Echo):
-        self.echo, self.errors, self.warnings = echo, [], []
-
-    def error(self, message: str) -> None:
-        self.errors.append(message)
-        self.echo(f"ERROR: {message}")
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-        self.echo(f"WARNING: {message}")
-
-
-# ---------------------------------------------------------------------------
-# Finding and reading the dataset node.
-
-def dataset_node(cfg) -> dict:
-    """``train_dataloader.dataset`` (or ``train_dataset``) as a plain dict."""
-    node = None
-    if "train_dataloader" in cfg and isinstance(cfg["train_dataloader"], dict):
-        node = cfg["train_dataloader"].get("dataset")
-    if node is None and "train_dataset" in cfg:
-        node = cfg["train_dataset"]
-    if not isinstance(node, dict) or "type" not in node:
-        raise DatasetError(f"{cfg.filename}: no `train_dataloader.dataset` (or `train_dataset`) with a `type`; "
-                           "set train_dataloader = dict(dataset=dict(type=process_hf_dataset, ...), ...)")
-    return dict(node.items())  # items() resolves the config's lazy imports; to_dict() would stringify them
-
-
-def is_process_hf_dataset(node: dict) -> bool:
-    from sfttool.dataset.pipeline import process_hf_dataset
-    return resolve_type(node["type"], "train_dataloader.dataset.type") is process_hf_dataset
-
-
-def pipeline_args(node: dict, builder: Callable | None = None) -> dict:
-    """The node's arguments with the defaults of ``builder`` (process_hf_dataset) filled in."""
-    import inspect
-
-    from sfttool.dataset.pipeline import process_hf_dataset
-    from sfttool.dataset.resolve import dataset_config
-    args = {name: p.default for name, p in inspect.signature(builder or process_hf_dataset).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-    args.update({k: v for k, v in node.items() if k != "type"})
-    args["dataset"] = dataset_config(args["dataset"])
-    return args
+from sfttool.config import find_config, load_config
+from sfttool.dataset.chat_targets import describe
+from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset, pipeline_args
+from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty, to_messages
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.mix import mix_datasets
+from sfttool.dataset.pipeline import run_pipeline
+from sfttool.dataset.report import change_lines, drop_emptied, drop_lines, split_lines
+from sfttool.dataset.resolve import resolve_map_fn, source_name, template_of
+from sfttool.dataset.stages import map_rows, missing_conversation
+from sfttool.dataset.template_check import template_warnings
+from sfttool.registry import build_if_config, resolve_type
+from sfttool.tools.check_preference import check_preference, is_preference_node
+from sfttool.tools.check_source import load_every_row, load_trained_part
+from sfttool.tools.findings import Echo, Findings, collect_row_errors, finish, guard
+from sfttool.tools.masked_view import legend, show_masked, shorten
+from sfttool.utils.constants import IGNORE_INDEX
 
 
 # ---------------------------------------------------------------------------
 # XTuner's checks, then every row against the standard schema.
 
-def check_settings(args: dict, raw, map_fn, findings: Findings) -> None:
+def check_settings(args: dict, raw, map_fn, source: str | None, findings: Findings) -> None:
     standard = "conversation" in raw.column_names
     if map_fn is None and not standard:
-        from sfttool.dataset.stages import missing_conversation
         first = raw[0] if len(raw) else dict.fromkeys(raw.column_names)
-        findings.error(f"row 0: {missing_conversation(first, None)}, or convert the data to "
+        findings.error(f"{where(0, source)}: {missing_conversation(first, None)}, or convert the data to "
                        "{'conversation': [...]}")
     if map_fn is not None and standard and len(raw.column_names) == 1:
-        findings.error("the data is already in the standard `conversation` format but a dataset_map_fn is "
-                       "set: set dataset_map_fn=None")
+        findings.error(f"{source or 'the data'}: the data is already in the standard `conversation` format but a "
+                       "dataset_map_fn is set: set dataset_map_fn=None")
     if args.get("pack_to_max_length") and not args.get("remove_unused_columns"):
         findings.warn("pack_to_max_length=True with remove_unused_columns=False: unused columns are removed "
                       "anyway when packing; set remove_unused_columns=True to say so")
@@ -98,79 +61,22 @@ def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_erro
     collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source), findings, max_errors)
 
 
-def collect_row_errors(rows, check: Callable[[dict, int], Any], findings: Findings, max_errors: int) -> None:
-    """``check(row, index)`` on every row: the first ``max_errors`` DatasetErrors listed, the rest counted."""
-    found = 0
-    for index, row in enumerate(rows):
-        try:
-            check(row, index)
-        except DatasetError as exc:
-            found += 1
-            if found <= max_errors:
-                findings.error(str(exc))
-    if found > max_errors:
-        findings.error(f"... and {found - max_errors} more rows with errors")
-
-
 def check_row(row: dict, index: int, map_fn, source: str | None) -> None:
     """One raw row through the map fn stage, then strictly against the standard schema: a row the
-    pipeline would drop whole is an error here."""
-    from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty
-    from sfttool.dataset.stages import map_rows
+    pipeline would drop whole is an error here, named with the cause the pipeline counts it under."""
+    notes: list[str] = []
     if map_fn is not None:
-        row = map_rows([row], [index], map_fn, source)[0][0]
+        mapped, changes = map_rows([row], [index], map_fn, source)
+        row, notes = mapped[0], changes[0]
     conversation = row.get("conversation")
     if is_empty(conversation):
-        raise DatasetError(f"{_at(source, index)}: empty or missing `conversation` (this row would be dropped)")
+        raise DatasetError(f"{where(index, source)}: {drop_emptied(notes)} (this row would be dropped)")
     check_conversation(conversation, index, source)
     check_turn_keys(conversation, index, source)
 
 
-def _at(source: str | None, index: int) -> str:
-    return f"{source}, row {index}" if source else f"row {index}"
-
-
-# ---------------------------------------------------------------------------
-# Template checks (the train entry runs the same: ``sfttool.dataset.template_check``).
-
-def check_markers(template: Any, tokenizer, findings: Findings) -> None:
-    from sfttool.dataset.template_check import split_markers
-    for warning in split_markers(template, tokenizer):
-        findings.warn(warning)
-
-
-def check_against_chat_template(template: Any, tokenizer, findings: Findings) -> None:
-    from sfttool.dataset.template_check import template_mismatch
-    mismatch = template_mismatch(template, tokenizer)
-    if mismatch:
-        findings.warn(mismatch)
-
-
 # ---------------------------------------------------------------------------
 # Display.
-
-def show_masked(input_ids: list[int], labels: list[int], tokenizer, color: bool = False) -> str:
-    """Decode a row: trained text plain, masked text as ``[MASKED:...]`` (dimmed with colour).
-
-    >>> show_masked([1, 2, 3], [-100, 2, 3], tok)   # doctest: +SKIP
-    '[MASKED:<|im_start|>user\\nhi]hello<|im_end|>'
-    """
-    import click
-    out, start = [], 0
-    for end in range(1, len(input_ids) + 1):
-        if end == len(input_ids) or (labels[end] == -100) != (labels[start] == -100):
-            text = tokenizer.decode(input_ids[start:end])
-            if labels[start] == -100:
-                text = click.style(text, dim=True) if color else f"{MASK_OPEN}{text}{MASK_CLOSE}"
-            out.append(text)
-            start = end
-    return "".join(out)
-
-
-def _short(value: Any, limit: int = 600) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
-
 
 def show_row(row: dict) -> str:
     """One field a line; the ``conversation`` whole, a turn a line (it is what gets trained), other
@@ -183,7 +89,7 @@ def show_row(row: dict) -> str:
             lines.append("conversation:")
             lines += [f"  [{i}] {turn!r}" for i, turn in enumerate(value)]
         else:
-            lines.append(f"{key}: {_short(value)}")
+            lines.append(f"{key}: {shorten(value)}")
     return "\n".join(lines)
 
 
@@ -195,10 +101,9 @@ def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
     encoded = report.stages.get("encoded")
     if encoded is not None and len(encoded):
         row = encoded[0]
-        echo(f"\n== input_ids (row 0) ==\n{_short(row['input_ids'])}")
-        echo(f"\n== labels (row 0) ==\n{_short(row['labels'])}")
-        legend = "masked text dimmed" if color else f"masked text in {MASK_OPEN}...{MASK_CLOSE}"
-        echo(f"\n== trained vs masked (row 0; {legend}, trained text plain) ==")
+        echo(f"\n== input_ids (row 0) ==\n{shorten(row['input_ids'])}")
+        echo(f"\n== labels (row 0) ==\n{shorten(row['labels'])}")
+        echo(f"\n== trained vs masked (row 0; {legend(color)}, trained text plain) ==")
         echo(show_masked(row["input_ids"], row["labels"], tokenizer, color))
     final = report.stages.get("packed", report.stages.get("rows"))
     if final is not None and len(final):
@@ -208,8 +113,6 @@ def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
 
 def row_kinds(report) -> dict[int, str]:
     """Each row's kind ('plain', 'reasoning', 'tool calls'), from its standard conversation."""
-    from sfttool.dataset.chat_targets import describe
-    from sfttool.dataset.conversation import to_messages
     stage = next((report.stages[k] for k in ("template", "map_fn", "loaded") if k in report.stages
                   and "conversation" in report.stages[k].column_names), None)
     if stage is None:
@@ -252,7 +155,7 @@ def unterminated_turns(encoded, tokenizer) -> tuple[int, list[int]]:
     numbers = encoded[ROW_COLUMN] if ROW_COLUMN in encoded.column_names else range(len(encoded))
     for labels, number in zip(encoded["labels"], numbers):
         ends = [labels[i] for i in range(len(labels))
-                if labels[i] != -100 and (i + 1 == len(labels) or labels[i + 1] == -100)]
+                if labels[i] != IGNORE_INDEX and (i + 1 == len(labels) or labels[i + 1] == IGNORE_INDEX)]
         missing = sum(1 for token in ends if token not in enders)
         count += missing
         if missing and len(rows) < 3:
@@ -271,7 +174,6 @@ def check_turn_ends(report, tokenizer, findings: Findings) -> None:
 def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     lengths = np.asarray(report.sample_lengths)
     echo("\n== statistics ==")
-    from sfttool.dataset.report import drop_lines, split_lines
     echo(f"rows in: {report.rows_in}   rows out: {report.rows_out}")
     for line in split_lines(report) + drop_lines(report):
         echo(line)
@@ -299,14 +201,11 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
 
     A ``mix_datasets`` node is checked dataset by dataset.
     """
-    from sfttool.config import find_config, load_config
-    from sfttool.dataset.mix import mix_datasets
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
     node = dataset_node(cfg)
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
-    from sfttool.tools.check_preference import check_preference, is_preference_node
     if is_preference_node(node):
         check_preference(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
@@ -318,13 +217,13 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     else:
         check_one(_plain(node, f"{cfg.filename}: train_dataloader.dataset"), findings, max_errors, echo, color,
                   batch_size)
-    return _finish(findings, echo)
+    return finish(findings, echo)
 
 
-def _plain(node: Any, where: str) -> dict:
+def _plain(node: Any, key: str) -> dict:
     if not isinstance(node, dict) or "type" not in node or not is_process_hf_dataset(node):
         kind = node.get("type") if isinstance(node, dict) else type(node).__name__
-        raise DatasetError(f"{where} is {kind!r}; check-custom-dataset checks process_hf_dataset datasets "
+        raise DatasetError(f"{key} is {kind!r}; check-custom-dataset checks process_hf_dataset datasets "
                            "(alone or inside mix_datasets)")
     return dict(node.items())
 
@@ -332,57 +231,35 @@ def _plain(node: Any, where: str) -> dict:
 def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
               batch_size: int | None) -> None:
     """All checks and printouts for one process_hf_dataset node."""
-    import inspect
-
-    from sfttool.dataset.load import check_json_file
-    from sfttool.dataset.pipeline import run_pipeline
-    from sfttool.dataset.resolve import (json_source_files, resolve_dataset, resolve_map_fn, source_name,
-                                         template_of)
-    from sfttool.registry import build_if_config
     args = pipeline_args(node)
-    errors_before = len(findings.errors)
-    raw_cfg = args["dataset"]
-    for file in json_source_files(raw_cfg):
-        echo(f"Checking every line of {file}")
-        _guard(findings, check_json_file, file, False, raw_cfg.get("field"))
-    if len(findings.errors) > errors_before:
+    errors_before = findings.count()
+    raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
+    every = load_every_row(raw_cfg, args["split"], findings, echo)
+    if every is None:
         return
-    echo("Building the dataset ...")
-    raw = resolve_dataset(raw_cfg, args["split"], validate=False)  # rows are validated below, all of them
     map_fn = resolve_map_fn(args["dataset_map_fn"])
-    check_settings(args, raw, map_fn, findings)
+    check_settings(args, every, map_fn, source, findings)
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     template = template_of(args["template_map_fn"])
-    check_markers(template, tokenizer, findings)
-    check_against_chat_template(template, tokenizer, findings)
-    if len(findings.errors) == errors_before:
-        echo(f"Validating all {len(raw)} rows ...")
-        check_rows(raw, map_fn, source_name(raw_cfg), findings, max_errors)
-    if len(findings.errors) > errors_before:
+    if template is not None:
+        for warning in template_warnings(template, tokenizer):
+            findings.warn(warning)
+    if findings.count() == errors_before:
+        echo(f"Validating all {len(every)} rows ...")
+        check_rows(every, map_fn, source, findings, max_errors)
+    if findings.count() > errors_before:
+        return
+    raw = load_trained_part(raw_cfg, every, args["split"], findings, echo)
+    if raw is None:
         return
     params = inspect.signature(run_pipeline).parameters
     run_args = {k: v for k, v in args.items() if k in params}
-    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True)
-    dataset, report = _guard(findings, run_pipeline, **run_args) or (None, None)
+    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True, source=source)
+    dataset, report = guard(findings, run_pipeline, **run_args) or (None, None)
     if report is not None:
-        from sfttool.dataset.report import change_lines
         for line in change_lines(report):
             findings.warn(line)
         check_turn_ends(report, tokenizer, findings)
         print_stages(report, tokenizer, echo, color)
         print_kinds(report, row_kinds(report), tokenizer, echo, color)
         print_stats(report, args, batch_size, echo)
-
-
-def _guard(findings: Findings, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except DatasetError as exc:
-        findings.error(str(exc))
-        return None
-
-
-def _finish(findings: Findings, echo: Echo) -> int:
-    status = "FAILED" if findings.errors else "OK"
-    echo(f"\n{status}: {len(findings.errors)} errors, {len(findings.warnings)} warnings")
-    return 1 if findings.errors else 0

@@ -8,29 +8,31 @@ from typing import Any
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.tools.check_dataset import (MASK_CLOSE, MASK_OPEN, Echo, Findings, _guard, _short, collect_row_errors,
-                                         pipeline_args, show_masked)
+from sfttool.dataset.config_node import is_built_by, pipeline_args
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.preference import build_preference_dataset, reward_token, run_preference_pipeline
+from sfttool.dataset.preference_encode import pair_conversations
+from sfttool.dataset.resolve import resolve_map_fn, source_name
+from sfttool.dataset.stages import SafeMapFn
+from sfttool.registry import build_if_config
+from sfttool.tools.check_source import load_every_row, load_trained_part
+from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
+from sfttool.tools.masked_view import legend, show_masked, shorten
 
 
 def is_preference_node(node: Any) -> bool:
-    from sfttool.dataset.preference import build_preference_dataset
-    from sfttool.registry import resolve_type
-    return isinstance(node, dict) and "type" in node and \
-        resolve_type(node["type"], "train_dataloader.dataset.type") is build_preference_dataset
+    return is_built_by(node, build_preference_dataset)
 
 
 def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the pair checks on every row; list the first errors."""
-    from sfttool.dataset.preference_encode import pair_conversations
-    from sfttool.dataset.stages import SafeMapFn
     safe = SafeMapFn(map_fn, source) if map_fn is not None else None
 
     def check(row: dict, index: int) -> None:
         row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
         missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
         if missing:
-            raise DatasetError(f"{source or 'dataset'}, row {index}: no {', '.join(missing)}; set a "
+            raise DatasetError(f"{where(index, source)}: no {', '.join(missing)}; set a "
                                "dataset_map_fn for this format (see docs/preference.md)")
         pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
 
@@ -41,14 +43,13 @@ def print_preference_stages(report, tokenizer, echo: Echo, color: bool) -> None:
     for key, title in (("loaded", "raw row"), ("map_fn", "after dataset_map_fn")):
         if key in report.stages and len(report.stages[key]):
             row = {k: v for k, v in report.stages[key][0].items() if k != ROW_COLUMN}
-            echo(f"\n== {title} (row 0) ==\n{_short(row)}")
+            echo(f"\n== {title} (row 0) ==\n{shorten(row)}")
     encoded = report.stages.get("encoded")
     if encoded is not None and len(encoded):
         pair = encoded[0]
-        legend = "masked text dimmed" if color else f"masked text in {MASK_OPEN}...{MASK_CLOSE}"
         for side in ("chosen", "rejected"):
             ids, labels = pair[f"{side}_input_ids"], pair[f"{side}_labels"]
-            echo(f"\n== {side} (pair 0: {len(ids)} tokens, {pair['prompt_tokens']} prompt; {legend}) ==")
+            echo(f"\n== {side} (pair 0: {len(ids)} tokens, {pair['prompt_tokens']} prompt; {legend(color)}) ==")
             echo(show_masked(ids, labels, tokenizer, color))
     final = report.stages.get("packed", report.stages.get("rows"))
     if final is not None and len(final):
@@ -83,31 +84,26 @@ def print_preference_stats(report, args: dict, batch_size: int | None, echo: Ech
 def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
                      batch_size: int | None) -> None:
     """All checks and printouts for one build_preference_dataset node."""
-    from sfttool.dataset.load import check_json_file
-    from sfttool.dataset.preference import reward_token, run_preference_pipeline
-    from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
-    from sfttool.registry import build_if_config
-    from sfttool.dataset.preference import build_preference_dataset
     args = pipeline_args(node, build_preference_dataset)
-    errors_before = len(findings.errors)
-    for file in json_source_files(args["dataset"]):
-        echo(f"Checking every line of {file}")
-        _guard(findings, check_json_file, file, False, args["dataset"].get("field"))
-    if len(findings.errors) > errors_before:
+    errors_before = findings.count()
+    source = args["source"] or source_name(args["dataset"])
+    every = load_every_row(args["dataset"], args["split"], findings, echo)
+    if every is None:
         return
-    echo("Building the preference dataset ...")
-    raw = resolve_dataset(args["dataset"], args["split"], validate=False)
     map_fn = resolve_map_fn(args["dataset_map_fn"])
-    echo(f"Validating all {len(raw)} rows ...")
-    check_pair_rows(raw, map_fn, source_name(args["dataset"]), findings, max_errors)
-    if len(findings.errors) > errors_before:
+    echo(f"Validating all {len(every)} rows ...")
+    check_pair_rows(every, map_fn, source, findings, max_errors)
+    if findings.count() > errors_before:
+        return
+    raw = load_trained_part(args["dataset"], every, args["split"], findings, echo)
+    if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     packed = args["max_packed_length"] if args["pack_to_max_length"] else None
     reward = reward_token(args["is_reward"], args["reward_token_id"])
-    result = _guard(findings, run_preference_pipeline, raw, tokenizer, args["max_length"], args["dataset_map_fn"],
+    result = guard(findings, run_preference_pipeline, raw, tokenizer, args["max_length"], args["dataset_map_fn"],
                     args["prompt_template"], packed, args["shuffle_before_pack"], args["max_dataset_length"],
-                    args["split"], args["num_proc"], args["seed"], source_name(args["dataset"]), True, reward)
+                    args["split"], args["num_proc"], args["seed"], source, True, reward)
     if result is not None:
         print_preference_stages(result[1], tokenizer, echo, color)
         print_preference_stats(result[1], args, batch_size, echo)

@@ -166,16 +166,59 @@ def test_absolute_import_of_a_missing_base_is_a_clear_error(tmp_path):
         load_config(str(mine))
 
 
+def load_error(path, text: str) -> str:
+    """The ConfigError's message for a config file holding ``text``."""
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
 def test_misspelt_import_is_reported_at_load_with_file_and_line(tmp_path):
     # mmengine defers a config's imports; the loader resolves them so the typo
     # surfaces here, not as a traceback from inside a build.
     path = tmp_path / "typo.py"
-    path.write_text("from transformers import AutoModelForCausalLMX\n"
-                    "model = dict(type=AutoModelForCausalLMX)\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    message = str(info.value)
+    message = load_error(path, "from transformers import AutoModelForCausalLMX\n"
+                               "model = dict(type=AutoModelForCausalLMX)\n")
     assert str(path) in message and "AutoModelForCausalLMX" in message and "line 1" in message
+
+
+@pytest.mark.parametrize("old, typo, option", [
+    ("prompt_template = PROMPT_TEMPLATE.qwen_chat", "prompt_template = PROMPT_TEMPLATE.qwen_chatt",
+     "prompt_template=qwen_chatt"),
+    ("dataset_map_fn = alpaca_map_fn ", "dataset_map_fn = alpaca_map_fnn ", "dataset_map_fn=alpaca_map_fnn"),
+])
+def test_a_misspelt_template_or_map_fn_in_the_file_gets_the_message_an_override_gets(tmp_path, old, typo,
+                                                                                       option):
+    """`PROMPT_TEMPLATE.qwen_chatt` written in the file said `Failed to import
+    sfttool.utils.PROMPT_TEMPLATE.qwen_chatt`; given with --cfg-options it lists the valid names with the close
+    match first. Both say the latter now."""
+    from sfttool.dataset.resolve import resolve_map_fn, template_of
+    source = (builtin_config_dir() / "qwen2_5_0_5b_instruct_lora_alpaca_e3.py").read_text()
+    if "map_fn" in option:
+        typo_import = "import alpaca_map_fnn, template_map_fn_factory"
+        source = source.replace("import alpaca_map_fn, template_map_fn_factory", typo_import)
+    path = tmp_path / "copy.py"
+    path.write_text(source.replace("from ._base_", "from sfttool.configs._base_").replace(old, typo))
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if typo.split(" = ")[1].strip() in text)
+    with pytest.raises(ConfigError) as in_file:
+        load_config(path)
+    overridden = load_config("qwen2_5_0_5b_instruct_lora_alpaca_e3", [option]).train_dataloader.dataset
+    with pytest.raises(ValueError) as by_option:  # what train and check-custom-dataset say for the override
+        resolve_map_fn(overridden.dataset_map_fn) if "map_fn" in option else template_of(overridden.template_map_fn)
+    assert str(in_file.value) == f"{path}, line {line}: {by_option.value}"
+    assert "valid names: " + ("alpaca_map_fn, " if "map_fn" in option else "qwen_chat, ") in str(in_file.value)
+
+
+def test_a_misspelt_collate_fn_or_system_template_lists_the_names_there_are(tmp_path):
+    path = tmp_path / "c.py"
+    assert load_error(path, "from sfttool.dataset.collate_fns import default_colate_fn\n"
+                            "train_dataloader = dict(collate_fn=dict(type=default_colate_fn))\n") == (
+        f"{path}, line 1: sfttool.dataset.collate_fns has no 'default_colate_fn'; valid names: default_collate_fn, "
+        "preference_collate_fn, cumulative_lengths")
+    message = load_error(path, "from sfttool.utils import SYSTEM_TEMPLATE\nsystem = 1\n\n"
+                               "SYSTEM = SYSTEM_TEMPLATE.alpacca\n")
+    assert message.startswith(f"{path}, line 4: sfttool.utils.SYSTEM_TEMPLATE has no 'alpacca'; valid names: alpaca, ")
 
 
 def test_misspelt_arguments_of_what_the_runner_builds_are_reported_before_training():

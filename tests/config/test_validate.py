@@ -119,3 +119,60 @@ def test_a_missing_data_file_of_an_xtuner_style_dataset_is_reported_at_validatio
     assert check_data_paths(load_config(path), "c.py") == [
         "c.py: train_dataloader.dataset.data_files: no such file 'missing.jsonl'; set data_files to your data "
         "file (a path relative to the folder you run from, or absolute)"]
+
+
+def test_dicts_unpacked_into_a_known_function_are_checked():
+    """Issue: `optim_wrapper.clip_grad.max_nrom` failed with a 69-line torch traceback at the first optimizer
+    step, after the data and the model were built. Each dict mmengine unpacks into a call, or reads keys from."""
+    options = ["optim_wrapper.clip_grad.max_nrom=1", "randomness.seedd=1", "log_processor.by_epochh=False",
+               "env_cfg.mp_cfg.mp_start_methd=fork", "env_cfg.dist_cfg.backendd=gloo", "env_cfg.cudnn_benchmrk=True"]
+    assert validate_config(load_config(NAME, options), "c.py") == [
+        "c.py: optim_wrapper.clip_grad.max_nrom: clip_grad_norm_ takes no argument `max_nrom` (did you mean max_norm?)",
+        "c.py: randomness.seedd: set_randomness takes no argument `seedd` (did you mean seed?)",
+        "c.py: log_processor.by_epochh: LogProcessor takes no argument `by_epochh` (did you mean by_epoch?)",
+        "c.py: env_cfg.cudnn_benchmrk: Runner.setup_env reads no key `cudnn_benchmrk` (did you mean cudnn_benchmark?)",
+        "c.py: env_cfg.mp_cfg.mp_start_methd: set_multi_processing takes no argument `mp_start_methd` (did you mean "
+        "mp_start_method?)",
+        "c.py: env_cfg.dist_cfg.backendd: init_dist reads no key `backendd` (did you mean backend or init_backend?)"]
+    fine = ["env_cfg.dist_cfg.timeout=60", "randomness.diff_rank_seed=True", "log_processor.window_size=5",
+            "optim_wrapper.clip_grad.norm_type=1.0"]
+    assert validate_config(load_config(NAME, fine), "c.py") == []
+
+
+@pytest.mark.parametrize("clip_grad, errors", [
+    ({"type": "value", "max_norm": 1}, [
+        "c.py: optim_wrapper.clip_grad.max_norm: clip_grad_value_ takes no argument `max_norm`",
+        "c.py: optim_wrapper.clip_grad: clip_grad_value_ needs `clip_value` (e.g. optim_wrapper.clip_grad="
+        "dict(clip_value=1.0))"]),
+    ({"norm_type": 2}, ["c.py: optim_wrapper.clip_grad: clip_grad_norm_ needs `max_norm` (e.g. "
+                        "optim_wrapper.clip_grad=dict(max_norm=1.0))"]),
+    ({"type": "nrom", "max_norm": 1}, ["c.py: optim_wrapper.clip_grad.type: 'nrom' is not a kind of clipping "
+                                       "mmengine knows; use 'norm' (clip_grad_norm_, the default) or 'value' "
+                                       "(clip_grad_value_)"]),
+    ({"type": "value", "clip_value": 0.5}, []),
+])
+def test_clip_grad_is_checked_against_the_clipping_it_selects(clip_grad, errors):
+    cfg = {"optim_wrapper": {"optimizer": {"type": "AdamW", "lr": 1e-4}, "clip_grad": clip_grad}}
+    assert check_arguments(cfg, "c.py") == errors
+
+
+def test_untyped_loops_and_the_keys_mmengine_reads_are_checked():
+    cfg = {"optim_wrapper": {"optimizer": {"type": "AdamW", "lr": 1e-4}, "paramwise_cfg": {"bias_decay_mul": 0}},
+           "val_cfg": {"fp17": True}, "test_cfg": {"fp16": False}}
+    assert check_arguments(cfg, "c.py") == [
+        "c.py: optim_wrapper.paramwise_cfg.bias_decay_mul: DefaultOptimWrapperConstructor reads no key "
+        "`bias_decay_mul` (did you mean bias_decay_mult or flat_decay_mult?)",
+        "c.py: val_cfg.fp17: ValLoop takes no argument `fp17` (did you mean fp16?)"]
+    cfg["optim_wrapper"]["constructor"] = "MyConstructor"  # its keys are its own to read
+    assert check_arguments(cfg, "c.py") == ["c.py: val_cfg.fp17: ValLoop takes no argument `fp17` (did you mean fp16?)"]
+
+
+def test_train_stops_at_a_clip_grad_typo_before_the_data_is_loaded(recorded_loads, tmp_path):
+    work_dir = tmp_path / "work"
+    result = CliRunner().invoke(cli, ["train", NAME, "--work-dir", str(work_dir), "--cfg-options",
+                                      "train_dataloader.dataset.dataset.type=recording_loader",
+                                      "optim_wrapper.clip_grad.max_nrom=1"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.endswith(f"optim_wrapper.clip_grad.max_nrom: clip_grad_norm_ takes no argument `max_nrom` "
+                                  "(did you mean max_norm?)\n")
+    assert recorded_loads == [] and not work_dir.exists()

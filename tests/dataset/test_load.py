@@ -193,8 +193,9 @@ def test_json_errors_read_once_at_column(tmp_path):
     path.write_text(json.dumps(GOOD) + '\n{"conversation": "unfinished', encoding="utf-8")
     with pytest.raises(DatasetError) as exc:
         check_json_file(path)
-    assert str(exc.value) == (f"{path}, line 2: invalid JSON (Unterminated string starting at column 18); each "
-                              "line must be one JSON object (or the file one JSON array)")
+    assert str(exc.value) == (f"{path}, line 2: invalid JSON: the line ends before its last object, array or string "
+                              "is closed (Unterminated string starting at column 18); it was cut off (a writer "
+                              "stopped mid-row?): complete it or remove it")
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "json"])
@@ -215,3 +216,34 @@ def test_repeated_keys_are_one_error_counting_the_rows_and_naming_the_first(tmp_
     assert str(exc.value) == (f"{path}: 8 rows have an object with a repeated key, which the JSON reader refuses: "
                               f"{', '.join(first)} and 3 more; keep one value per key")
     assert check_json_file(write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)] * 3)) == 3
+
+
+CUT_OFF = '{"conversation": [{"input": "q", "output": "a"}'  # a writer killed mid-line: no closing ]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (CUT_OFF, r"invalid JSON: the line ends before its last object, array or string is closed \(Expecting ',' "
+              r"delimiter at column 48\); it was cut off"),
+    ('{"conversation": [{"input": "q" "output": "a"}]}', r"invalid JSON \(Expecting ',' delimiter at column 33\)"),
+    ('see below: ' + json.dumps(GOOD), r"invalid JSON \(Expecting value at column 1\)"),
+    (json.dumps(GOOD) + " and more", r"invalid JSON \(Extra data at column 51\)"),
+    ("[1, 2]", r"expected a JSON object, got list"),
+])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_every_malformed_line_is_one_error_naming_its_line_wherever_it_sits(tmp_path, bad, message, where):
+    """Issue: a JSON Lines file whose last line is cut off gave a 100-line traceback from datasets, the useful
+    line (`JSON parse error: Missing a comma or ']' after an array element. in row 4`) buried in it."""
+    good = json.dumps(GOOD)
+    lines = {"first": [bad, good, good], "middle": [good, bad, good], "last": [good, good, bad]}[where]
+    number = lines.index(bad) + 1
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + ("" if where == "last" else "\n"), encoding="utf-8")
+    with pytest.raises(DatasetError, match=rf"^{path}, line {number}( \(row {number - 1}\))?: {message}"):
+        check_json_file(path)
+
+
+def test_windows_line_endings_and_blank_lines_with_spaces_are_read_as_datasets_reads_them(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes((json.dumps(GOOD) + "\r\n   \r\n" + json.dumps(GOOD) + "\r\n").encode())
+    assert check_json_file(path) == 2
+    assert load_dataset("json", data_files=str(path), split="train").to_list() == [GOOD, GOOD]

@@ -597,3 +597,20 @@ def test_a_dict_of_splits_gives_the_split_asked_for(tmp_path, conversations, tin
     with pytest.raises(DatasetError) as exc:
         make_dataset(source, tiny_tokenizer, split="validation")
     assert str(exc.value) == "dataset has no split 'validation' (it has train); set split=..."
+
+
+def test_a_row_the_map_fn_empties_is_dropped_under_the_cause_the_pipeline_names(tiny_tokenizer):
+    """The stream, the map-style pipeline and check-custom-dataset name one cause, in the same words."""
+    from sfttool.dataset.pipeline import run_pipeline
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = [{"messages": chat}, {"messages": [{"role": "assistant", "content": "Hi!"}]}, {"messages": chat}]
+    stream = make_dataset(rows, tiny_tokenizer, dataset_map_fn="openai_map_fn")
+    list(stream)
+    cause = ("empty conversation after dataset_map_fn: conversation starts with an assistant message (dropped: "
+             "nothing asked it)")
+    assert stream.pass_stats.dropped == {cause: 1} and stream.pass_stats.drop_examples == {cause: ["row 1"]}
+    assert stream.pass_stats.emptied == {}  # kept only until the row is dropped
+    from datasets import Dataset
+    _, report = run_pipeline(Dataset.from_list(rows), tiny_tokenizer, 64, dataset_map_fn="openai_map_fn",
+                             template_map_fn=template_map_fn_factory("qwen_chat"))
+    assert report.dropped == stream.pass_stats.dropped and report.drop_examples == stream.pass_stats.drop_examples

@@ -66,7 +66,7 @@ def test_every_row_validated_with_file_row_field(tmp_path, tiny_tokenizer_dir):
     assert code == 1
     data = tmp_path / "data.jsonl"
     assert f"ERROR: {data}, row 4, field 'conversation[0].output': expected a string, got missing" in out
-    assert f"ERROR: {data}, row 9: empty or missing `conversation`" in out
+    assert f"ERROR: {data}, row 9: empty conversation (this row would be dropped)" in out
     assert f"{data}, row 17, field 'conversation[0].output'" in out
     assert "... and 1 more rows with errors" in out
     assert "FAILED: 4 errors" in out
@@ -95,7 +95,8 @@ def test_raw_data_without_map_fn(tmp_path, tiny_tokenizer_dir):
     rows = [{"instruction": "Say hi", "input": "", "output": "hi"}]
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows))
     assert code == 1
-    assert ("ERROR: row 0: no `conversation` (fields: instruction, input, output); data that is not in the standard "
+    assert (f"ERROR: {tmp_path / 'data.jsonl'}, row 0: no `conversation` (fields: instruction, input, output); data "
+            "that is not in the standard "
             "format needs a dataset_map_fn (set dataset_map_fn=alpaca_map_fn), or convert the data to "
             "{'conversation': [...]}") in out
     code, out = check(make_config(tmp_path, tiny_tokenizer_dir, rows=rows, map_fn="alpaca_map_fn"))

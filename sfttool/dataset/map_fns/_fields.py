@@ -39,7 +39,10 @@ def list_field(row: Mapping[str, Any], field: str, fn: str) -> list:
 def _absent(row: Any, field: str, fn: str, fix: str = "") -> MapFnError:
     """The error for a missing or null field; a null one is not listed as missing."""
     if isinstance(row, Mapping) and field in row:
-        # The column exists (Arrow fills a field other rows have with null): this row's data is the problem.
-        return MapFnError(f"{fn}: field {field!r} is null; fill it in or drop this row from the dataset.")
+        # The column exists: null in this row's data, or missing from it (Arrow fills a field other rows
+        # have with null); `null_field` lets the pipeline look at the row in its file to tell which.
+        error = MapFnError(f"{fn}: field {field!r} is null; fill it in or drop this row from the dataset.")
+        error.null_field = field
+        return error
     fields = sorted(row) if isinstance(row, Mapping) else type(row).__name__
     return MapFnError(f"{fn}: no {field!r} field; found fields {fields}. {fix}".rstrip())
