@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -13,6 +15,9 @@ from datasets import Dataset
 from sfttool import assets
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.dataset.pipeline import folds_into_encode, run_pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reference_encoder as reference  # noqa: E402
 
 QWEN = template_map_fn_factory("qwen_chat")
 
@@ -103,14 +108,15 @@ PINNED_COUNTS = (42, 2430, 783)
 PINNED_DIGEST = "ea720b704145d03c"
 
 
+
 @pytest.mark.parametrize("max_length", [1, 16, 64, 4096])
-def test_batch_columns_built_in_numpy_equal_encode_batch(tiny_tokenizer, max_length):
-    from sfttool.dataset.encode import encode_batch
-    from sfttool.dataset.stages import encode_template_batch
+def test_batch_columns_built_in_numpy_equal_the_plain_encoding(tiny_tokenizer, max_length):
+    """The encode stage's numpy columns equal the plain reference encoding (``reference_encoder``)."""
+    from sfttool.dataset.encode import encode_batch_arrays
     conversations = [QWEN(row)["conversation"] for row in edge_rows() if row["conversation"]]
     batch, indices = {"conversation": conversations}, list(range(10, 10 + len(conversations)))
-    expected = encode_batch(batch, indices, tiny_tokenizer, max_length)
-    got = encode_template_batch(batch, indices, tiny_tokenizer, max_length)
+    expected = reference.encode_rows(conversations, indices, tiny_tokenizer, max_length)
+    got = encode_batch_arrays(batch, indices, tiny_tokenizer, max_length)
     assert {name: [list(v) if hasattr(v, "__len__") else v for v in values] for name, values in got.items()} == \
         {name: list(values) for name, values in expected.items()}
     assert len(set(expected["first_trained"])) > 2  # trained, masked and cut rows are all there
