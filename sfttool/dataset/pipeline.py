@@ -266,7 +266,8 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     """All stages in order; returns ``(dataset, PipelineReport)``.
 
     ``keep_stages`` stores the dataset after each stage in ``report.stages``
-    (``check-custom-dataset`` prints them).
+    (``check-custom-dataset`` prints them); the template stage then runs as a ``map`` of its own, which
+    the encode stage reads, instead of inside the encode stage's ``map``: each runs once either way.
     """
     source = source or source_name(dataset)
     template = template_of(template_map_fn)
@@ -288,11 +289,10 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         stage("map_fn", dataset)
     if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
         require_conversation(dataset, map_fn, source)  # before the template map fn, which would see none
-    fold = folds_into_encode(template_map_fn, rename_maps, do_dataset_tokenization)
-    if template_map_fn is not None and (keep_stages or not fold):
-        templated = apply_template(dataset, template_map_fn, num_proc, source)
-        stage("template", templated)  # when folded, only the view check-custom-dataset prints
-        dataset = dataset if fold else templated
+    fold = folds_into_encode(template_map_fn, rename_maps, do_dataset_tokenization) and not keep_stages
+    if template_map_fn is not None and not fold:
+        dataset = apply_template(dataset, template_map_fn, num_proc, source)
+        stage("template", dataset)
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)
     if do_dataset_tokenization:

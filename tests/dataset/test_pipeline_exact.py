@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -94,6 +95,24 @@ def test_check_views_keep_the_template_stage(tiny_tokenizer):
     _, report = run_pipeline(Dataset.from_list(rows), tiny_tokenizer, 64, template_map_fn=QWEN, keep_stages=True)
     assert list(report.stages) == ["loaded", "template", "encoded", "packed"]
     assert report.stages["template"][0]["conversation"][0]["input"].startswith("<|im_start|>")
+
+
+def test_the_template_runs_once_per_turn_whether_or_not_the_stages_are_kept(tiny_tokenizer, monkeypatch):
+    """check-custom-dataset keeps every stage: the template stage is then a map of its own, and the encode
+    stage reads its rows instead of templating them again."""
+    module = importlib.import_module("sfttool.dataset.map_fns.template_map_fn")
+    calls, render = [], module.render_input
+    monkeypatch.setattr(module, "render_input", lambda *args, **kw: calls.append(1) or render(*args, **kw))
+    rows = assets.tiny_conversations(6, seed=0)
+    turns = sum(len(row["conversation"]) for row in rows)
+    outputs = []
+    for keep_stages in (False, True):
+        calls.clear()
+        out, _ = run_pipeline(Dataset.from_list(rows), tiny_tokenizer, 64, template_map_fn=QWEN,
+                              keep_stages=keep_stages)
+        assert len(calls) == turns
+        outputs.append(out.to_dict())
+    assert outputs[0] == outputs[1]
 
 
 def test_output_is_pinned(tiny_tokenizer):
