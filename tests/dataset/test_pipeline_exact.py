@@ -127,6 +127,45 @@ PINNED_COUNTS = (42, 2430, 783)
 PINNED_DIGEST = "ea720b704145d03c"
 
 
+def chat_template_sample(conversation: list[dict], tokenizer, max_length: int) -> tuple[list[int], list[int]]:
+    """One row encoded without sfttool: the tokenizer's own ChatML chat template (qwen_chat writes the same
+    text) renders it, the tokenizer's own call tokenizes it whole, and a token is trained when it lies within
+    a trained answer and its ``<|im_end|>`` (where the render up to that answer, with the generation prompt,
+    ends); cut at ``max_length``."""
+    messages, answers = [], []
+    if conversation[0].get("system"):
+        messages.append({"role": "system", "content": conversation[0]["system"]})
+    for turn in conversation:
+        messages.append({"role": "user", "content": turn["input"]})
+        start = len(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        messages.append({"role": "assistant", "content": turn["output"]})
+        if turn.get("output_with_loss", True):
+            answers.append((start, start + len(turn["output"] + "<|im_end|>")))
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [token if any(a <= start and end <= b for a, b in answers) else -100
+              for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    return encoded["input_ids"][:max_length], labels[:max_length]
+
+
+def test_the_pinned_rows_are_the_chat_template_renders(tiny_tokenizer):
+    """The pinned rows checked independently of sfttool's encoder (``chat_template_sample``): the packed rows
+    hold exactly those samples, each whole, and rows with nothing left to train are the ones dropped."""
+    out, report = run_pipeline(Dataset.from_list(edge_rows()), tiny_tokenizer, 64, template_map_fn=QWEN)
+    expected = [chat_template_sample(row["conversation"], tiny_tokenizer, 64) for row in edge_rows()
+                if row["conversation"]]
+    expected = [sample for sample in expected if any(label != -100 for label in sample[1])]
+    packed = []
+    for row in out:
+        start = 0
+        for length in row["sample_lengths"]:
+            packed.append((row["input_ids"][start:start + length], row["labels"][start:start + length]))
+            start += length
+    assert sorted(packed) == sorted(expected)
+    assert (report.tokens, report.trained_tokens) == (sum(len(ids) for ids, _ in expected),
+                                                      sum(sum(label != -100 for label in labels)
+                                                          for _, labels in expected)) == PINNED_COUNTS[1:]
+
 
 @pytest.mark.parametrize("max_length", [1, 16, 64, 4096])
 def test_batch_columns_built_in_numpy_equal_the_plain_encoding(tiny_tokenizer, max_length):
