@@ -50,7 +50,7 @@ def data_files_digest(dataset_cfg: Any) -> list:
 
 
 PIPELINE_MODULES = ("chat_format", "chat_messages", "chat_targets", "conversation", "encode", "encode_columns", "pack",
-                    "pipeline", "resolve", "stages")
+                    "pipeline", "resolve", "stages", "unrendered")
 
 
 def _pipeline_code_digest() -> str:

@@ -39,10 +39,12 @@ Deliberate differences from XTuner 0.2:
 3. Truncation and rows without trained tokens are counted (helper columns
    ``num_tokens``/``num_trained``) so the pipeline can log them.
 4. Texts are tokenized in batches (same ids as XTuner's per-text ``encode``).
+5. A trained answer whose tool calls the template does not render, or that renders empty while the
+   row gives it reasoning or text, is refused (``unrendered``): XTuner would train an empty turn.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
@@ -54,9 +56,10 @@ from sfttool.dataset.conversation import check_conversation, flag, row_tools, to
 from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
                                             piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
-# ``first_trained`` when no token of a sample is trained: why not.
+# ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
 UNTRAINED_MASKED = -1  # every answer has output_with_loss=False
 UNTRAINED_EMPTY = -2   # the answers render to nothing trainable
 
@@ -210,6 +213,7 @@ class Encoded:
     rows: list[int]               # [samples] the row number of each sample
     counts: list[int]             # [conversations] the samples each conversation became
     conversations: list           # [conversations]
+    refused: dict[int, int] = field(default_factory=dict)  # sample -> REFUSED code (skip_bad_rows)
 
     @cached_property
     def owners(self) -> list[int]:
@@ -218,6 +222,8 @@ class Encoded:
 
     def why_untrained(self, sample: int) -> int:
         """``first_trained`` of a sample without a trained token: why not (a negative code)."""
+        if sample in self.refused:
+            return self.refused[sample]
         return why_untrained(self.conversations[self.owners[sample]])
 
     def carried(self, batch: dict[str, list], carry: Sequence[str]) -> dict[str, list]:
@@ -231,7 +237,7 @@ class Encoded:
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                  input_ids_with_output: bool = True, hf_chat_template: bool = False,
                  source: str | None = None, chat_options: dict | None = None,
-                 carry: Sequence[str] = ()) -> dict[str, list]:
+                 carry: Sequence[str] = (), skip_bad_rows: bool = False) -> dict[str, list]:
     """Batched ``datasets.map`` function: conversations -> samples of ids, labels and counts, as lists.
 
     >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
@@ -241,13 +247,15 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
 
     ``num_tokens`` is the length before right truncation at ``max_length``
     (``length``: after it), ``num_trained`` the tokens with a label, ``first_trained``
-    the prompt's length, or why no token is trained (``UNTRAINED_*``).
+    the prompt's length, or why no token is trained (``UNTRAINED_*``, ``unrendered.REFUSED``).
     A conversation is one sample, except in HF chat-template mode where a template that renders
     earlier turns differently later splits it (``chat_targets``); ``ROW_COLUMN`` names each sample's
-    row, and the ``carry`` columns are repeated for each sample of their row.
+    row, and the ``carry`` columns are repeated for each sample of their row. A row whose trained answer
+    the template cannot render (``unrendered``) is an error, or with ``skip_bad_rows`` one sample without
+    tokens whose ``first_trained`` says why (the pipeline drops it, counted).
     """
     encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
-                             chat_options)
+                             chat_options, skip_bad_rows)
     out = list_columns(flat_columns(encoded.flat, max_length, encoded.why_untrained))
     return {**out, ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry)}
 
@@ -255,11 +263,11 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
 def encode_batch_arrays(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                         input_ids_with_output: bool = True, hf_chat_template: bool = False,
                         source: str | None = None, chat_options: dict | None = None,
-                        carry: Sequence[str] = ()):
+                        carry: Sequence[str] = (), skip_bad_rows: bool = False):
     """``encode_batch``'s columns in the form ``datasets.map`` writes as it is: one Arrow table over the flat
     tokens when the only input column kept is ``ROW_COLUMN`` (packing), else one numpy array per sample."""
     encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
-                             chat_options)
+                             chat_options, skip_bad_rows)
     columns = flat_columns(encoded.flat, max_length, encoded.why_untrained)
     if list(carry) == [ROW_COLUMN]:
         return arrow_columns(columns, {ROW_COLUMN: np.asarray(encoded.rows, np.int64)})
@@ -267,38 +275,51 @@ def encode_batch_arrays(batch: dict[str, list], indices: Iterable[int], tokenize
 
 
 def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, input_ids_with_output: bool,
-                   hf_chat_template: bool, source: str | None, chat_options: dict | None) -> Encoded:
+                   hf_chat_template: bool, source: str | None, chat_options: dict | None,
+                   skip_bad_rows: bool) -> Encoded:
     """The batch's conversations checked and encoded, uncut."""
     conversations = batch["conversation"]
     rows = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
     check_batch(conversations, rows, source, input_ids_with_output)
     if hf_chat_template:
-        return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, chat_options)
-    return _template_samples(conversations, rows, tokenizer, input_ids_with_output)
+        return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, source, chat_options,
+                                      skip_bad_rows)
+    return _template_samples(conversations, rows, tokenizer, input_ids_with_output, source, skip_bad_rows)
 
 
-def _template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool) -> Encoded:
-    pieces = [template_pieces(conversation, input_ids_with_output) for conversation in conversations]
-    return Encoded(piece_samples(piece_ids(pieces, tokenizer)), rows, [1] * len(rows), conversations)
+def _template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool,
+                      source: str | None, skip_bad_rows: bool) -> Encoded:
+    refused, pieces = {}, []
+    for i, (conversation, row) in enumerate(zip(conversations, rows)):
+        missing = unrendered_turn(conversation) if input_ids_with_output else None
+        if missing:
+            refused[i] = refuse(*missing, row, source, renderer_name(None, False), skip_bad_rows)
+        pieces.append([] if missing else template_pieces(conversation, input_ids_with_output))
+    return Encoded(piece_samples(piece_ids(pieces, tokenizer)), rows, [1] * len(rows), conversations, refused)
 
 
 def _chat_template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool,
-                           chat_options: dict | None) -> Encoded:
+                           source: str | None, chat_options: dict | None, skip_bad_rows: bool) -> Encoded:
     if not input_ids_with_output:
         raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
     render_with = chat_renderer(tokenizer, chat_options)
     specials = special_token_texts(tokenizer)
     samples: list[tuple[str, list[tuple[int, int]]]] = []
-    counts = []
+    counts, refused = [], {}
     for conversation, row in zip(conversations, rows):
-        own = chat_template_samples(conversation, render_with, specials, chat_options, row)
+        try:
+            own = chat_template_samples(conversation, render_with, specials, chat_options, row)
+        except Unrendered as exc:
+            refused[len(samples)] = refuse(exc.feature, exc.trained_as, row, source,
+                                           renderer_name(render_with, True), skip_bad_rows)
+            own = [("", [])]
         samples += own
         counts.append(len(own))
     # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
     # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
     texts = [text for text, _ in samples]
     flat = span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, [s for _, s in samples])
-    return Encoded(flat, _repeat(rows, counts), counts, conversations)
+    return Encoded(flat, _repeat(rows, counts), counts, conversations, refused)
 
 
 def check_batch(conversations: list, row_numbers: list[int], source: str | None, input_ids_with_output: bool) -> None:

@@ -23,6 +23,11 @@ def drop_prompt_too_long(max_length: int) -> str:
     return f"prompt longer than max_length={max_length} (the answer was cut away)"
 
 
+def drop_unrendered(feature: str) -> str:
+    """A row whose trained answer the template cannot render (``unrendered``), dropped by skip_bad_rows."""
+    return f"the template does not render its {feature} (--skip-bad-rows)"
+
+
 @dataclass
 class PipelineReport:
     """Counts of one pipeline run or one reader's pass over a stream; ``stages`` keeps a dataset

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sfttool.dataset.errors import DatasetError
+from sfttool.errors import SfttoolError
 from sfttool.registry import MAP_FUNC, build_if_config, type_name
 
 
@@ -122,3 +123,39 @@ def source_name(dataset_cfg: Any) -> str | None:
     if isinstance(files, (list, tuple)):
         return ", ".join(map(str, files))
     return str(files) if files else dataset_cfg.get("path")
+
+
+def skip_bad_rows_in(cfg: Any) -> int:
+    """``--skip-bad-rows``: set ``skip_bad_rows=True`` on every dataset config in ``cfg`` whose builder takes it
+    (``process_hf_dataset``, ``StreamingPackedDataset``; training and validation data, each part of a mix).
+    Returns how many; none is an error (the flag would change nothing)."""
+    found = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "skip_bad_rows" in _parameters(node.get("type")):
+                node["skip_bad_rows"] = True
+                found.append(node)
+            for key in list(node.keys()):
+                walk(node[key])
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+    walk(getattr(cfg, "_cfg_dict", cfg))
+    if not found:
+        raise DatasetError("--skip-bad-rows: no dataset of this config can skip rows (process_hf_dataset and "
+                           "StreamingPackedDataset can); leave the flag out")
+    return len(found)
+
+
+def _parameters(type_: Any) -> tuple[str, ...]:
+    """The keyword arguments a config's ``type`` takes (none when it names nothing importable)."""
+    import inspect
+
+    from sfttool.registry import resolve_type
+    if type_ is None:
+        return ()
+    try:
+        return tuple(inspect.signature(resolve_type(type_)).parameters)
+    except (SfttoolError, TypeError, ValueError):
+        return ()

@@ -21,9 +21,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sfttool.dataset.conversation import with_every_key
-from sfttool.dataset.encode import UNTRAINED_MASKED, encode_batch_arrays, renderer_name
+from sfttool.dataset.encode import UNTRAINED_EMPTY, UNTRAINED_MASKED, encode_batch_arrays, renderer_name
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.report import DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long
+from sfttool.dataset.report import (DROP_EMPTY, DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_prompt_too_long,
+                                   drop_unrendered)
+from sfttool.dataset.unrendered import REFUSED
 from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
@@ -168,7 +170,11 @@ def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], firs
     """Rows without a trained token are dropped, counted by cause; returns the keep mask.
 
     ``first_trained`` (``encode_batch``) is where the answer starts in the whole sample: a row whose
-    answer starts at or after ``max_length`` lost it to truncation (the prompt is too long)."""
+    answer starts at or after ``max_length`` lost it to truncation (the prompt is too long); when
+    negative, why nothing is trained (the answers are masked, empty, or, with skip_bad_rows, refused
+    for what the template does not render: ``unrendered.REFUSED``)."""
+    untrained = {UNTRAINED_MASKED: DROP_MASKED, UNTRAINED_EMPTY: DROP_EMPTY_ANSWER,
+                 **{code: drop_unrendered(feature) for feature, code in REFUSED.items()}}
     causes: dict[str, list[str]] = {}
     for trained, first, number in zip(num_trained, first_trained, row_numbers):
         if trained:
@@ -176,7 +182,7 @@ def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], firs
         if first >= 0:
             cause, name = drop_prompt_too_long(max_length), f"{row_name(number)} (prompt of {first} tokens)"
         else:
-            cause, name = (DROP_MASKED if first == UNTRAINED_MASKED else DROP_EMPTY_ANSWER), row_name(number)
+            cause, name = untrained[first], row_name(number)
         causes.setdefault(cause, []).append(name)
     for cause, rows in causes.items():
         report.drop(cause, rows)

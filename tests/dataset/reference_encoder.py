@@ -13,11 +13,15 @@ mode the rendered texts and trained character spans come from ``chat_targets.cha
   character span.
 * Both: ids and labels cut at ``max_length``; ``num_tokens`` before the cut, ``length`` after it,
   ``num_trained`` the kept labels, ``first_trained`` the first trained position of the uncut sample, or
-  -1 (every answer masked), -2 (nothing to train).
+  -1 (every answer masked), -2 (nothing to train), -3/-4/-5 (refused for what the template does not render:
+  tool calls, reasoning, answer text).
 """
 from __future__ import annotations
 
+import json
+
 IGNORE = -100
+REFUSED = {"tool calls": -3, "reasoning_content": -4, "answer text": -5}
 
 
 def _flag(turn: dict, key: str) -> bool:
@@ -66,40 +70,67 @@ def span_ids(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[list, 
     return list(encoded["input_ids"]), labels
 
 
+def template_refusal(conversation: list[dict]) -> int | None:
+    """A prompt template renders each turn's plain text: a trained answer with tool calls, or with reasoning
+    as its only content, is refused."""
+    for turn in conversation:
+        if not turn.get("messages") or not _flag(turn, "output_with_loss"):
+            continue
+        messages = turn["messages"] if isinstance(turn["messages"], list) else json.loads(turn["messages"])
+        answer = [m for m in messages if m.get("role") == "assistant"][-1]
+        if answer.get("tool_calls"):
+            return REFUSED["tool calls"]
+        if not (answer.get("content") or "").strip() and (answer.get("reasoning_content") or "").strip():
+            return REFUSED["reasoning_content"]
+    return None
+
+
 def encode_rows(conversations: list, rows: list[int], tokenizer, max_length: int, input_ids_with_output: bool = True,
-                hf_chat_template: bool = False, chat_options: dict | None = None) -> dict[str, list]:
+                hf_chat_template: bool = False, chat_options: dict | None = None,
+                skip_bad_rows: bool = False) -> dict[str, list]:
     """``encode_batch``'s columns (and ``_sfttool_row``), one sample at a time."""
-    samples = []  # (row, conversation, input_ids, labels)
+    samples = []  # (row, conversation, input_ids, labels, refusal code)
     for conversation, row in zip(conversations, rows):
-        for ids, labels in _row_samples(conversation, row, tokenizer, input_ids_with_output, hf_chat_template,
-                                        chat_options):
-            samples.append((row, conversation, ids, labels))
+        for ids, labels, refused in _row_samples(conversation, row, tokenizer, input_ids_with_output,
+                                                 hf_chat_template, chat_options, skip_bad_rows):
+            samples.append((row, conversation, ids, labels, refused))
     out: dict[str, list] = {name: [] for name in ("input_ids", "labels", "length", "num_tokens", "num_trained",
                                                   "first_trained", "_sfttool_row")}
-    for row, conversation, ids, labels in samples:
+    for row, conversation, ids, labels, refused in samples:
         kept = labels[:max_length]
         out["input_ids"].append(ids[:max_length])
         out["labels"].append(kept)
         out["length"].append(min(len(ids), max_length))
         out["num_tokens"].append(len(ids))
         out["num_trained"].append(sum(1 for label in kept if label != IGNORE))
-        out["first_trained"].append(_first_trained(labels, conversation))
+        out["first_trained"].append(_first_trained(labels, conversation, refused))
         out["_sfttool_row"].append(row)
     return out
 
 
-def _row_samples(conversation, row, tokenizer, input_ids_with_output, hf_chat_template, chat_options):
+def _row_samples(conversation, row, tokenizer, input_ids_with_output, hf_chat_template, chat_options, skip_bad_rows):
     from sfttool.dataset.chat_targets import chat_template_samples
     from sfttool.dataset.encode import chat_renderer, special_token_texts
+    from sfttool.dataset.unrendered import Unrendered
     if not hf_chat_template:
-        return [template_ids(conversation, tokenizer, input_ids_with_output)]
-    samples = chat_template_samples(conversation, chat_renderer(tokenizer, chat_options),
-                                    special_token_texts(tokenizer), chat_options, row)
-    return [span_ids(text, spans, tokenizer) for text, spans in samples]
+        refused = template_refusal(conversation) if input_ids_with_output else None
+        if refused is not None:
+            assert skip_bad_rows, "a refused row is an error without skip_bad_rows"
+            return [([], [], refused)]
+        return [(*template_ids(conversation, tokenizer, input_ids_with_output), None)]
+    try:
+        samples = chat_template_samples(conversation, chat_renderer(tokenizer, chat_options),
+                                        special_token_texts(tokenizer), chat_options, row)
+    except Unrendered as exc:
+        assert skip_bad_rows, "a refused row is an error without skip_bad_rows"
+        return [([], [], REFUSED[exc.feature])]
+    return [(*span_ids(text, spans, tokenizer), None) for text, spans in samples]
 
 
-def _first_trained(labels: list[int], conversation: list[dict]) -> int:
+def _first_trained(labels: list[int], conversation: list[dict], refused: int | None) -> int:
     for i, label in enumerate(labels):
         if label != IGNORE:
             return i
+    if refused is not None:
+        return refused
     return -2 if any(_flag(turn, "output_with_loss") for turn in conversation) else -1

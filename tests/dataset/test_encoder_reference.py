@@ -18,7 +18,7 @@ from sfttool.utils.templates import PROMPT_TEMPLATE, chat_template_options
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_encoder as reference  # noqa: E402
 from test_chat_targets import (CASES, LLAMA31_ROW, PLAIN_ROW, QWEN3_INLINE_ROW, QWEN3_ROW,  # noqa: E402
-                               QWEN25_ROW, RUNS_ROW)
+                               QWEN25_ROW, RUNS_ROW, call)
 from test_chat_targets import tokenizers as official  # noqa: E402, F401  (the official templates' tokenizers)
 
 LENGTHS = [1, 16, 64, 4096]
@@ -151,6 +151,31 @@ def test_kept_columns_are_repeated_for_each_sample_of_their_row(official):
     assert expected["id"].count("a") == 3
     for encode in (encode_batch, encode_batch_arrays):
         assert lists(encode(batch, [], tok, 4096, hf_chat_template=True, carry=[ROW_COLUMN, "id"])) == expected
+
+
+# ---------------------------------------------------------------------------
+# Rows the template cannot render, dropped with skip_bad_rows: the same codes as the reference's.
+
+TOOL_ROW = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}], "messages": [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"})]},
+    {"role": "tool", "content": "12 C"}, {"role": "assistant", "content": "12 C."}]}
+REASONING_ONLY_ROW = {"messages": [{"role": "user", "content": "Q"},
+                                   {"role": "assistant", "content": "", "reasoning_content": "Thinking."}]}
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["prompt_template", "chat_template"])
+def test_refused_rows_equal_the_reference(tiny_tokenizer, hf):
+    rows_in = [PLAIN_ROW, TOOL_ROW, REASONING_ONLY_ROW, PLAIN_ROW]
+    conversations = [openai_map_fn(row)["conversation"] for row in rows_in]
+    if not hf:
+        conversations = [template_map_fn_factory("qwen_chat")({"conversation": c})["conversation"]
+                         for c in conversations]
+    expected = reference.encode_rows(conversations, [0, 1, 2, 3], tiny_tokenizer, 64, hf_chat_template=hf,
+                                     skip_bad_rows=True)
+    assert expected["first_trained"][1:3] == [-3, -4] and expected["num_tokens"][1:3] == [0, 0]
+    assert_every_form({"conversation": conversations}, [0, 1, 2, 3], tiny_tokenizer, 64, expected,
+                      hf_chat_template=hf, skip_bad_rows=True)
 
 
 # ---------------------------------------------------------------------------
