@@ -45,9 +45,12 @@ def _worker_args(config, cfg_options, values: dict, flags: dict) -> list[str]:
               help="Show the full config, environment and hook table on the terminal (always in the log file).")
 @click.option("--strict", is_flag=True, default=False,
               help="Make a template that renders differently from the tokenizer's chat_template an error.")
+@click.option("--skip-bad-rows", is_flag=True, default=False,
+              help="Drop, counted, the rows whose trained answers the template cannot render (tool calls under a "
+                   "template without tools, an answer that renders empty) instead of stopping at the first.")
 @user_errors
 def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node, trust_remote_code, max_steps,
-          dry_run, verbose, strict) -> None:
+          dry_run, verbose, strict, skip_bad_rows) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""
     from sfttool.config import ConfigError, load_config
     from sfttool.engine import launch
@@ -65,7 +68,7 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
         worker_args = _worker_args(config, cfg_options, dict(work_dir=work_dir, deepspeed=deepspeed, resume=resume,
                                                              seed=seed, max_steps=max_steps),
                                    dict(trust_remote_code=trust_remote_code, dry_run=dry_run, verbose=verbose,
-                                        strict=strict))
+                                        strict=strict, skip_bad_rows=skip_bad_rows))
         code = launch.launch(plan, worker_args)
         if code in (130, 143):  # SIGINT/SIGTERM: the workers saved a checkpoint at a step boundary
             click.echo(f"Stopped by a signal (exit {code}); resume with the same command plus --resume", err=True)
@@ -79,7 +82,7 @@ def train(config, work_dir, deepspeed, resume, seed, cfg_options, nproc_per_node
     with report_rank_failure():  # in a multi-process run the log names the failing rank
         out = run_training(config, work_dir=work_dir, deepspeed=deepspeed, resume=resume, seed=seed,
                            cfg_options=list(cfg_options), trust_remote_code=trust_remote_code, max_steps=max_steps,
-                           dry_run=dry_run, verbose=verbose, strict=strict)
+                           dry_run=dry_run, verbose=verbose, strict=strict, skip_bad_rows=skip_bad_rows)
     if os.environ.get("RANK", "0") == "0":
         click.echo("Dry run finished: the config, data and one training step work" if dry_run else
                    f"Training finished; outputs in {out}")

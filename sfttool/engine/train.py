@@ -27,22 +27,26 @@ from sfttool.engine import preflight
 from sfttool.engine.assemble import RunPlan, build_runner, experiment_name, replay_setup_log, setup_log
 from sfttool.engine.processes import (build_dataset_rank0_first, close_process_group, init_distributed,
                                       one_process_rank_env)
+from sfttool.dataset.resolve import skip_bad_rows_in
 from sfttool.registry import build
 
 
 def train(config: str, work_dir: str | None = None, deepspeed: str | None = None, resume: str | None = None,
           seed: int | None = None, cfg_options: list[str] | dict | None = None, trust_remote_code: bool = False,
           max_steps: int | None = None, dry_run: bool = False, verbose: bool = False,
-          strict: bool = False) -> Path:
+          strict: bool = False, skip_bad_rows: bool = False) -> Path:
     """Run one training process (``torchrun`` starts one per device). Returns the work dir.
 
     ``max_steps``: stop after that many optimizer steps, with a checkpoint. ``dry_run``: build and
     check everything, process the data, run one iteration, keep nothing but the dataset cache.
     ``verbose``: the full config and hook table on the terminal too. ``strict``: a template that
-    does not match the tokenizer is an error."""
+    does not match the tokenizer is an error. ``skip_bad_rows``: the datasets drop, counted, the rows
+    whose trained answers the template cannot render, instead of stopping."""
     compat.quiet_library_noise()
     with compat.quiet_console(verbose):
         cfg, plan = prepare(config, work_dir, deepspeed, resume, seed, cfg_options, trust_remote_code)
+        if skip_bad_rows:
+            skip_bad_rows_in(cfg)
         plan.max_steps, plan.dry_run = max_steps, dry_run
         from sfttool.engine.hooks.preemption_hook import TrainingPreempted
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.resolve import skip_bad_rows_in
 from sfttool.registry import resolve_type
 
 Echo = Callable[[str], None]
@@ -294,15 +295,18 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
 # The command.
 
 def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Echo = print,
-                  color: bool = False) -> int:
+                  color: bool = False, skip_bad_rows: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
-    A ``mix_datasets`` node is checked dataset by dataset.
+    A ``mix_datasets`` node is checked dataset by dataset. ``skip_bad_rows``: as ``sfttool train
+    --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
     """
     from sfttool.config import find_config, load_config
     from sfttool.dataset.mix import mix_datasets
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
+    if skip_bad_rows:
+        skip_bad_rows_in(cfg)
     node = dataset_node(cfg)
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
@@ -362,7 +366,8 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         return
     params = inspect.signature(run_pipeline).parameters
     run_args = {k: v for k, v in args.items() if k in params}
-    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True)
+    # The raw rows are built already: the pipeline names their file(s) only when told (as train's does).
+    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True, source=args["source"] or source_name(raw_cfg))
     dataset, report = _guard(findings, run_pipeline, **run_args) or (None, None)
     if report is not None:
         from sfttool.dataset.report import change_lines
