@@ -7,11 +7,12 @@ stages use (the dataset, the map fns, the template), and where errors point
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from sfttool.dataset.errors import DatasetError
 from sfttool.errors import SfttoolError
-from sfttool.registry import MAP_FUNC, build_if_config, type_name
+from sfttool.registry import MAP_FUNC, build_if_config, resolve_type, type_name
 
 
 def dataset_config(dataset: Any) -> Any:
@@ -150,9 +151,6 @@ def skip_bad_rows_in(cfg: Any) -> int:
 
 def _parameters(type_: Any) -> tuple[str, ...]:
     """The keyword arguments a config's ``type`` takes (none when it names nothing importable)."""
-    import inspect
-
-    from sfttool.registry import resolve_type
     if type_ is None:
         return ()
     try:
