@@ -106,11 +106,10 @@ def flat_columns(flat: FlatSamples, max_length: int, why_untrained: Callable[[in
 def list_columns(columns: dict[str, np.ndarray]) -> dict[str, list]:
     """``flat_columns`` as Python lists: ``input_ids`` and ``labels`` one list per sample."""
     ends = np.cumsum(columns["length"], dtype=np.int64).tolist()
-    out = {name: values.tolist() for name, values in columns.items()}
-    for name in ("input_ids", "labels"):
-        tokens = out[name]
-        out[name] = [tokens[start:end] for start, end in zip([0] + ends[:-1], ends)]
-    return out
+    starts = [0] + ends[:-1]
+    # Each sample's slice made a list: one copy of the tokens, where the whole array's list sliced makes two.
+    return {name: [values[a:b].tolist() for a, b in zip(starts, ends)] if name in ("input_ids", "labels")
+            else values.tolist() for name, values in columns.items()}
 
 
 def numpy_columns(columns: dict[str, np.ndarray]) -> dict[str, list | np.ndarray]:
