@@ -3,7 +3,9 @@ fast-tokenizer throughput does JSON -> packed rows reach?
 
 For one JSONL file of generated conversations (``pipeline.conversations``), in
 one run and on the exact texts the pipeline tokenizes (every templated turn's
-input and output, ``template_map_fn_factory('qwen_chat')``):
+input and output, ``template_map_fn_factory('qwen_chat')``; with
+``--template hf_chat_template``, each conversation rendered whole by the
+tokenizer's chat template):
 
 - **limit**: the Rust tokenizer's batch encode of those texts
   (``encode_batch_fast``, its own threads on every allowed core), tokens/s;
@@ -19,6 +21,7 @@ Each measurement runs in a fresh process pinned to 1, 2, ... cores
 (``os.sched_setaffinity``), with fresh caches, so nothing is reused.
 
     python benchmarks/tokenizer_limit.py --rows 5000 --cores 1,2
+    python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --template hf_chat_template
 """
 from __future__ import annotations
 
@@ -46,19 +49,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=5000)
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--cores", default=None, help="core counts to pin to (default: 1, 2, all)")
+    p.add_argument("--template", default="qwen_chat", help="a PROMPT_TEMPLATE name (default qwen_chat), e.g. "
+                   "hf_chat_template: the tokenizer's own chat template")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
     return p.parse_args(argv)
 
 
-def texts_to_tokenize(data_file: str) -> list[str]:
-    """Every string the encoder tokenizes: each templated turn's input and output."""
+def texts_to_tokenize(data_file: str, tok, template: str) -> list[str]:
+    """Every string the encoder tokenizes: each templated turn's input and output, or in chat-template
+    mode each conversation's whole render."""
+    from sfttool.dataset.conversation import to_messages
     from sfttool.dataset.map_fns import template_map_fn_factory
 
-    template_map_fn = template_map_fn_factory("qwen_chat")
+    template_map_fn = template_map_fn_factory(template)
     texts = []
     with open(data_file, encoding="utf-8") as f:
         for line in f:
-            for turn in template_map_fn(json.loads(line))["conversation"]:
+            conversation = template_map_fn(json.loads(line))["conversation"]
+            if template == "hf_chat_template":
+                texts.append(tok.apply_chat_template(to_messages(conversation), tokenize=False))
+                continue
+            for turn in conversation:
                 texts += [turn.get("input") or "", turn.get("output") or ""]
     return [t for t in texts if t]
 
@@ -69,19 +80,19 @@ def run_limit(tok, texts: list[str]) -> int:
     return sum(len(e.ids) for e in encode(texts, add_special_tokens=False))
 
 
-def run_map(tok, data_file: str, max_length: int, packed: bool) -> int:
+def run_map(tok, data_file: str, max_length: int, packed: bool, template: str) -> int:
     from datasets import load_dataset
 
     from sfttool.dataset import process_hf_dataset
     from sfttool.dataset.map_fns import template_map_fn_factory
 
     out = process_hf_dataset(dataset=dict(type=load_dataset, path="json", data_files=data_file), tokenizer=tok,
-                             max_length=max_length, template_map_fn=template_map_fn_factory("qwen_chat"),
+                             max_length=max_length, template_map_fn=template_map_fn_factory(template),
                              pack_to_max_length=packed, seed=0)
     return int(sum(len(ids) for ids in out["input_ids"]))
 
 
-def run_stream(tok, data_file: str, max_length: int, packed: bool) -> int:
+def run_stream(tok, data_file: str, max_length: int, packed: bool, template: str) -> int:
     from datasets import load_dataset
 
     from sfttool.dataset.map_fns import template_map_fn_factory
@@ -90,11 +101,11 @@ def run_stream(tok, data_file: str, max_length: int, packed: bool) -> int:
     stream = StreamingPackedDataset(dataset=dict(type=load_dataset, path="json", data_files=data_file, split="train",
                                                  streaming=True),
                                     tokenizer=tok, max_length=max_length,
-                                    template_map_fn=template_map_fn_factory("qwen_chat"), pack_to_max_length=packed)
+                                    template_map_fn=template_map_fn_factory(template), pack_to_max_length=packed)
     return sum(len(row["input_ids"]) for row in stream)
 
 
-def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int) -> dict:
+def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int, template: str = "qwen_chat") -> dict:
     """One case in this (fresh, spawned) process, pinned to the first ``cores`` cores."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
     cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
@@ -106,15 +117,15 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     kind, _, layout = case.partition("_")
-    texts = texts_to_tokenize(data_file) if kind == "limit" else None  # the limit times the tokenizer alone
+    texts = texts_to_tokenize(data_file, tok, template) if kind == "limit" else None  # the tokenizer alone
     tokenizer_cpu = _time_tokenizer_calls()
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     if kind == "limit":
         tokens = run_limit(tok, texts)
     elif kind == "map":
-        tokens = run_map(tok, data_file, max_length, layout == "packed")
+        tokens = run_map(tok, data_file, max_length, layout == "packed", template)
     else:
-        tokens = run_stream(tok, data_file, max_length, layout == "packed")
+        tokens = run_stream(tok, data_file, max_length, layout == "packed", template)
     seconds = time.perf_counter() - start
     cpu = max(_cpu_seconds() - cpu_start, 0.01)  # the clock's tick: a tiny run may read 0
     share = {} if kind == "limit" else {"tokenizer_cpu_share": round(tokenizer_cpu[0] / cpu, 3)}
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     for n in cores:
         limit = None
         for case in CASES:
-            r = in_child(case, n, tok_dir, data_file, args.max_length)
+            r = in_child(case, n, tok_dir, data_file, args.max_length, args.template)
             limit = limit or r
             r["fraction_of_limit"] = round(r["tokens_per_s"] / limit["tokens_per_s"], 3)
             r["cpu_fraction_of_limit"] = round(r["tokens_per_cpu_s"] / limit["tokens_per_cpu_s"], 3)
@@ -176,6 +187,7 @@ def main(argv=None) -> int:
                   f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} "
                   f"{r.get('tokenizer_cpu_share', 1.0):9.1%}", flush=True)
     write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
+                 template=args.template,
                  load_average=[round(x, 2) for x in os.getloadavg()], results=results)
     return 0
 

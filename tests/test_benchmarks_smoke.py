@@ -99,11 +99,13 @@ def test_loss_memory_benchmark(tmp_path):
 
 
 @pytest.mark.slow
-def test_tokenizer_limit_benchmark(tmp_path):
+@pytest.mark.parametrize("template", ["qwen_chat", "hf_chat_template"])
+def test_tokenizer_limit_benchmark(tmp_path, template):
     out = tmp_path / "tokenizer_limit.json"
-    run([sys.executable, str(BENCH / "tokenizer_limit.py"), "--rows", "40", "--cores", "1", "--out", str(out)],
-        tmp_path)
+    run([sys.executable, str(BENCH / "tokenizer_limit.py"), "--rows", "40", "--cores", "1", "--out", str(out),
+         "--template", template], tmp_path)
     report = json.loads(out.read_text())
+    assert report["template"] == template
     results = {r["case"]: r for r in report["results"]}
     assert set(results) == {"limit", "map_packed", "map_unpacked", "stream_packed", "stream_unpacked"}
     assert results["limit"]["fraction_of_limit"] == 1.0

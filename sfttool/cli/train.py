@@ -33,6 +33,9 @@ from sfttool.cli.options import CFG_OPTIONS_CONTEXT, cfg_options_option
               help="Show the full config, environment and hook table on the terminal (always in the log file).")
 @click.option("--strict", is_flag=True, default=False,
               help="Make a template that renders differently from the tokenizer's chat_template an error.")
+@click.option("--skip-bad-rows", is_flag=True, default=False,
+              help="Drop, counted, the rows whose trained answers the template cannot render (tool calls under a "
+                   "template without tools, an answer that renders empty) instead of stopping at the first.")
 @user_errors
 def train(config, nproc_per_node, **flags) -> None:
     """Train the model described by CONFIG (a path or a built-in config name)."""

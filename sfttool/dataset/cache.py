@@ -59,7 +59,8 @@ def data_files_digest(dataset_cfg: Any) -> list:
     return out
 
 
-PIPELINE_MODULES = ("chat_messages", "chat_targets", "conversation", "encode", "pack", "pipeline", "resolve", "stages")
+PIPELINE_MODULES = ("chat_format", "chat_messages", "chat_targets", "conversation", "encode", "encode_columns", "pack",
+                    "pipeline", "resolve", "stages", "unrendered")
 
 
 def _pipeline_code_digest() -> str:

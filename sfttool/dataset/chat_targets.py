@@ -15,6 +15,10 @@ whose form it holds::
       ...Q1 | <think>\\nR1\\n</think>\\n\\nA1<|im_end|>            (trained)
       ...Q1, A1 (reasoning dropped), Q2 | <think>\\nR2\\n</think>\\n\\nA2<|im_end|>
 
+A trained answer whose render leaves out its tool calls, or is empty while the row gives it text or
+reasoning, is never trained: ``unrendered.Unrendered`` says what is missing (the encoder refuses the row,
+or drops it with ``skip_bad_rows``).
+
 Options (``PROMPT_TEMPLATE.hf_chat_template`` fields): ``TRAIN_ON_REASONING`` (default
 True: the ``<think>`` block is trained), ``ENABLE_THINKING`` (passed to the template for rows
 without reasoning). An assistant message's ``loss`` (true/false) overrides both for its turn.
@@ -27,6 +31,7 @@ from typing import Any
 
 from sfttool.dataset.conversation import flag, row_tools, to_messages
 from sfttool.dataset.errors import DatasetError, where
+from sfttool.dataset.unrendered import TOOL_CALLS, Unrendered, unrendered_text
 
 THINK_END = "</think>"
 
@@ -114,6 +119,13 @@ def _answer(tokenizer, messages: list[dict], k: int, tools, kwargs: dict, specia
     if not own.startswith(prompt):
         raise unstable(row)
     end = _trained_end(own, len(prompt), len(own), _anchors(messages[k]), specials)
+    if messages[k].get("tool_calls"):  # the calls are rendered when the render without them differs
+        without = {key: value for key, value in messages[k].items() if key != "tool_calls"}
+        if render(tokenizer, messages[:k] + [without], False, tools, row, **kwargs) == own:
+            raise Unrendered(TOOL_CALLS, own[len(prompt):end])
+    missing = unrendered_text(messages[k], own[len(prompt):end], specials)
+    if missing:
+        raise Unrendered(missing, own[len(prompt):end])
     skip = 0 if train_reasoning else _reasoning_length(own[len(prompt):end], messages[k])
     return Answer(prompt, own, end, skip)
 

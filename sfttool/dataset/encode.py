@@ -1,15 +1,19 @@
 """Encode standard conversation rows into ``input_ids`` and ``labels``.
 
-Two modes share one shape: a conversation becomes a list of *pieces*
-(text or BOS/EOS, each trained or masked); all texts of a batch are tokenized
-in one fast-tokenizer call; the pieces are then concatenated.
+One encoder serves every reader (the map-style pipeline, the stream, preference
+pairs) in both modes below: all texts of a batch are tokenized in one
+fast-tokenizer call, every token is read once into flat numpy arrays, and the
+columns (cut at ``max_length``, counted) are computed over the whole batch
+(``encode_columns``). ``encode_batch`` returns them as Python lists,
+``encode_batch_arrays`` in the form ``datasets.map`` writes as it is.
 
 * **Template mode** (XTuner 0.2's ``encode_fn``, token for token): the rows
   were formatted by ``template_map_fn`` (``input`` holds system + instruction,
   ``output`` holds answer + SUFFIX, plus ``need_eos_token`` and ``sep``).
   Per turn: BOS when the previous turn ended with EOS (and before the first),
   input (masked), output (trained unless ``output_with_loss=False``), EOS when
-  ``need_eos_token`` (labelled like the output), sep (masked).
+  ``need_eos_token`` (labelled like the output), sep (masked). A conversation
+  becomes a list of *pieces* (text or BOS/EOS, each trained or masked).
 * **HF chat-template mode** (``PROMPT_TEMPLATE.hf_chat_template``): the
   conversation is rendered with the tokenizer's own jinja ``chat_template``
   and tokenized whole, so the ids are exactly ``apply_chat_template``'s; each
@@ -35,19 +39,27 @@ Deliberate differences from XTuner 0.2:
 3. Truncation and rows without trained tokens are counted (helper columns
    ``num_tokens``/``num_trained``) so the pipeline can log them.
 4. Texts are tokenized in batches (same ids as XTuner's per-text ``encode``).
+5. A trained answer whose tool calls the template does not render, or that renders empty while the
+   row gives it reasoning or text, is refused (``unrendered``): XTuner would train an empty turn.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Sequence
 
-from sfttool.dataset.chat_format import renderer
+import numpy as np
+
+from sfttool.dataset.chat_format import ChatFormat, renderer
 from sfttool.dataset.chat_targets import chat_template_samples, render, template_kwargs
 from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
+from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
+                                            piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.utils.constants import IGNORE_INDEX
+from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
-# ``first_trained`` when no token of a sample is trained: why not.
+# ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
 UNTRAINED_MASKED = -1  # every answer has output_with_loss=False
 UNTRAINED_EMPTY = -2   # the answers render to nothing trainable
 
@@ -142,22 +154,6 @@ def batch_token_ids(tokenizer, texts: list[str], with_offsets: bool = False) -> 
     return [(e.ids, e.offsets) for e in encodings] if with_offsets else [e.ids for e in encodings]
 
 
-def labels_from_spans(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """``ids`` with every token that overlaps no trained character span set to -100.
-
-    A token that straddles a span's edge (a BPE token ``" It"`` whose space
-    ends the prompt) is trained: the model has to produce it.
-    """
-    labels = []
-    k = 0
-    for token, (start, end) in zip(ids, offsets):
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        inside = k < len(spans) and start < spans[k][1] and end > spans[k][0]
-        labels.append(token if inside else IGNORE_INDEX)
-    return labels
-
-
 def piece_ids(rows: list[list[Piece]], tokenizer) -> list[list[tuple[list[int], bool]]]:
     """Each row's pieces as ``(token ids, trained)``, every text piece of every row tokenized in one call.
     A BOS piece before a text that starts with the BOS token is left out (the template already starts
@@ -187,21 +183,8 @@ def piece_ids(rows: list[list[Piece]], tokenizer) -> list[list[tuple[list[int], 
     return out
 
 
-def tokenize_pieces(rows: list[list[Piece]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """Tokenize every text piece of every row in one call; return (input_ids, labels) per row."""
-    out = []
-    for parts in piece_ids(rows, tokenizer):
-        input_ids: list[int] = []
-        labels: list[int] = []
-        for ids, trained in parts:
-            input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
-        out.append((input_ids, labels))
-    return out
-
-
 def pieces_text(pieces: list[Piece], tokenizer) -> str:
-    """The text ``tokenize_pieces`` encodes: BOS/EOS written as their token text, with the same BOS
+    """The text the encoder tokenizes for ``pieces``: BOS/EOS written as their token text, with the same BOS
     rule (no BOS before a text that starts with the BOS token: the encoder keeps one of the two).
 
     >>> pieces_text([('bos', '', False), ('text', '<|im_start|>user', False)], smollm2_tokenizer)  # doctest: +SKIP
@@ -218,11 +201,44 @@ def pieces_text(pieces: list[Piece], tokenizer) -> str:
     return "".join(texts)
 
 
+# ---------------------------------------------------------------------------
+# The encoder: one implementation for every mode (template, chat template) and every reader (the
+# map-style pipeline, the stream, preference pairs). Each mode lays its samples out as flat numpy arrays
+# (``encode_columns``); the columns are computed over the whole batch at once.
+
+@dataclass
+class Encoded:
+    """A batch's samples, uncut, and where each came from."""
+    flat: FlatSamples
+    rows: list[int]               # [samples] the row number of each sample
+    counts: list[int]             # [conversations] the samples each conversation became
+    conversations: list           # [conversations]
+    refused: dict[int, int] = field(default_factory=dict)  # sample -> REFUSED code (skip_bad_rows)
+
+    @cached_property
+    def owners(self) -> list[int]:
+        """[samples] the conversation of each sample."""
+        return _repeat(range(len(self.counts)), self.counts)
+
+    def why_untrained(self, sample: int) -> int:
+        """``first_trained`` of a sample without a trained token: why not (a negative code)."""
+        if sample in self.refused:
+            return self.refused[sample]
+        return why_untrained(self.conversations[self.owners[sample]])
+
+    def carried(self, batch: dict[str, list], carry: Sequence[str]) -> dict[str, list]:
+        """The ``carry`` columns repeated for each sample of their row (``datasets`` needs every kept column
+        at the new length when a conversation became several samples)."""
+        if len(self.rows) == len(self.counts):
+            return {}
+        return {name: _repeat(batch[name], self.counts) for name in carry if name != ROW_COLUMN}
+
+
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                  input_ids_with_output: bool = True, hf_chat_template: bool = False,
                  source: str | None = None, chat_options: dict | None = None,
-                 carry: Sequence[str] = ()) -> dict[str, list]:
-    """Batched ``datasets.map`` function: conversations -> samples of ids, labels and counts.
+                 carry: Sequence[str] = (), skip_bad_rows: bool = False) -> dict[str, list]:
+    """Batched ``datasets.map`` function: conversations -> samples of ids, labels and counts, as lists.
 
     >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
     ...              [0], tok, 8)   # doctest: +SKIP
@@ -231,31 +247,79 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
 
     ``num_tokens`` is the length before right truncation at ``max_length``
     (``length``: after it), ``num_trained`` the tokens with a label, ``first_trained``
-    the prompt's length (see ``first_trained``), which explains a row left without labels.
+    the prompt's length, or why no token is trained (``UNTRAINED_*``, ``unrendered.REFUSED``).
     A conversation is one sample, except in HF chat-template mode where a template that renders
     earlier turns differently later splits it (``chat_targets``); ``ROW_COLUMN`` names each sample's
-    row, and the ``carry`` columns are repeated for each sample of their row.
+    row, and the ``carry`` columns are repeated for each sample of their row. A row whose trained answer
+    the template cannot render (``unrendered``) is an error, or with ``skip_bad_rows`` one sample without
+    tokens whose ``first_trained`` says why (the pipeline drops it, counted).
     """
-    row_numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
-    check_batch(batch["conversation"], row_numbers, source, input_ids_with_output)
+    encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
+                             chat_options, skip_bad_rows)
+    out = list_columns(flat_columns(encoded.flat, max_length, encoded.why_untrained))
+    return {**out, ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry)}
+
+
+def encode_batch_arrays(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
+                        input_ids_with_output: bool = True, hf_chat_template: bool = False,
+                        source: str | None = None, chat_options: dict | None = None,
+                        carry: Sequence[str] = (), skip_bad_rows: bool = False):
+    """``encode_batch``'s columns in the form ``datasets.map`` writes as it is: one Arrow table over the flat
+    tokens when the only input column kept is ``ROW_COLUMN`` (packing), else one numpy array per sample."""
+    encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
+                             chat_options, skip_bad_rows)
+    columns = flat_columns(encoded.flat, max_length, encoded.why_untrained)
+    if list(carry) == [ROW_COLUMN]:
+        return arrow_columns(columns, {ROW_COLUMN: np.asarray(encoded.rows, np.int64)})
+    return {**numpy_columns(columns), ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry)}
+
+
+def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, input_ids_with_output: bool,
+                   hf_chat_template: bool, source: str | None, chat_options: dict | None,
+                   skip_bad_rows: bool) -> Encoded:
+    """The batch's conversations checked and encoded, uncut."""
+    conversations = batch["conversation"]
+    rows = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
+    check_batch(conversations, rows, source, input_ids_with_output)
     if hf_chat_template:
-        samples_of = _chat_template_rows(batch["conversation"], row_numbers, tokenizer, input_ids_with_output,
-                                         chat_options)
-        # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
-        # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
-        samples = [sample for samples in samples_of for sample in samples]
-        encoded = batch_token_ids(tokenizer, [text for text, _ in samples], with_offsets=True)
-        rows_ids = [(ids, labels_from_spans(ids, offsets, spans))
-                    for (ids, offsets), (_, spans) in zip(encoded, samples)]
-        counts = [len(samples) for samples in samples_of]
-    else:
-        pieces = [template_pieces(c, input_ids_with_output) for c in batch["conversation"]]
-        rows_ids, counts = tokenize_pieces(pieces, tokenizer), [1] * len(pieces)
-    out = _truncated_columns(rows_ids, _repeat(batch["conversation"], counts), max_length)
-    out[ROW_COLUMN] = _repeat(row_numbers, counts)
-    if len(rows_ids) != len(row_numbers):  # datasets needs every kept column at the new length
-        out.update({name: _repeat(batch[name], counts) for name in carry if name != ROW_COLUMN})
-    return out
+        return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, source, chat_options,
+                                      skip_bad_rows)
+    return _template_samples(conversations, rows, tokenizer, input_ids_with_output, source, skip_bad_rows)
+
+
+def _template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool,
+                      source: str | None, skip_bad_rows: bool) -> Encoded:
+    refused, pieces = {}, []
+    for i, (conversation, row) in enumerate(zip(conversations, rows)):
+        missing = unrendered_turn(conversation) if input_ids_with_output else None
+        if missing:
+            refused[i] = refuse(*missing, row, source, renderer_name(None, False), skip_bad_rows)
+        pieces.append([] if missing else template_pieces(conversation, input_ids_with_output))
+    return Encoded(piece_samples(piece_ids(pieces, tokenizer)), rows, [1] * len(rows), conversations, refused)
+
+
+def _chat_template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool,
+                           source: str | None, chat_options: dict | None, skip_bad_rows: bool) -> Encoded:
+    if not input_ids_with_output:
+        raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
+    render_with = chat_renderer(tokenizer, chat_options)
+    specials = special_token_texts(tokenizer)
+    samples: list[tuple[str, list[tuple[int, int]]]] = []
+    counts, refused = [], {}
+    for conversation, row in zip(conversations, rows):
+        try:
+            own = chat_template_samples(conversation, render_with, specials, chat_options, row)
+        except Unrendered as exc:
+            refused[len(samples)] = refuse(exc.feature, exc.trained_as, row, source,
+                                           renderer_name(render_with, True), skip_bad_rows)
+            own = [("", [])]
+        samples += own
+        counts.append(len(own))
+    # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
+    # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
+    texts = [text for text, _ in samples]
+    flat = span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, [s for _, s in samples])
+    return Encoded(flat, _repeat(rows, counts), counts, conversations, refused)
 
 
 def check_batch(conversations: list, row_numbers: list[int], source: str | None, input_ids_with_output: bool) -> None:
@@ -267,43 +331,21 @@ def check_batch(conversations: list, row_numbers: list[int], source: str | None,
                                "single-turn conversations")
 
 
-def _chat_template_rows(conversations: list, row_numbers: list[int], tokenizer, input_ids_with_output: bool,
-                        chat_options: dict | None) -> list[list[tuple[str, list[tuple[int, int]]]]]:
-    if not input_ids_with_output:
-        raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
-    render_with = chat_renderer(tokenizer, chat_options)
-    specials = special_token_texts(tokenizer)
-    return [chat_template_samples(conversation, render_with, specials, chat_options, row)
-            for conversation, row in zip(conversations, row_numbers)]
-
-
 def _repeat(values: Sequence, counts: Sequence[int]) -> list:
     return [value for value, count in zip(values, counts) for _ in range(count)]
 
 
-def _truncated_columns(rows_ids: list[tuple[list[int], list[int]]], conversations: list[list[dict]],
-                       max_length: int) -> dict[str, list]:
-    """``encode_batch``'s columns: ids and labels cut at ``max_length``, and the counts around the cut."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "num_tokens": [], "num_trained": [],
-                            "first_trained": []}
-    for (input_ids, labels), conversation in zip(rows_ids, conversations):
-        out["num_tokens"].append(len(input_ids))
-        out["input_ids"].append(input_ids[:max_length])
-        out["labels"].append(labels[:max_length])
-        out["length"].append(min(len(input_ids), max_length))
-        kept = labels[:max_length]
-        out["num_trained"].append(len(kept) - kept.count(IGNORE_INDEX))
-        out["first_trained"].append(first_trained(labels, conversation))
-    return out
-
-
-def first_trained(labels: list[int], conversation: list[dict]) -> int:
-    """Where the first trained token of a whole (uncut) sample is: the prompt's length; when none is
-    trained, why not: ``UNTRAINED_MASKED`` (every answer has output_with_loss=False) or ``UNTRAINED_EMPTY``."""
-    position = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
-    if position is not None:
-        return position
+def why_untrained(conversation: list[dict]) -> int:
+    """Why a sample of ``conversation`` has no trained token: ``UNTRAINED_MASKED`` (every answer has
+    output_with_loss=False) or ``UNTRAINED_EMPTY`` (its answers render to nothing trainable)."""
     return UNTRAINED_EMPTY if any(flag(turn, "output_with_loss") for turn in conversation) else UNTRAINED_MASKED
+
+
+def renderer_name(renderer: Any, hf_chat_template: bool) -> str:
+    """What renders the conversations, as messages name it."""
+    if not hf_chat_template:
+        return "the prompt template"
+    return "the template's CHAT_FORMAT" if isinstance(renderer, ChatFormat) else "the tokenizer's chat template"
 
 
 def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[int]:
@@ -335,4 +377,4 @@ def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[
         from sfttool.dataset.map_fns import template_map_fn_factory
         history = template_map_fn_factory(template)({"conversation": history})["conversation"]
     pieces = template_pieces(history, prompt_only_last=True)
-    return tokenize_pieces([pieces], tokenizer)[0][0]
+    return [token for ids, _ in piece_ids([pieces], tokenizer)[0] for token in ids]

@@ -131,9 +131,12 @@ def _column(dataset, name: str):
 
 
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, template, remove_unused_columns: bool,
-           num_proc: int, source: str | None, report: PipelineReport, template_map_fn: Callable | None = None):
+           num_proc: int, source: str | None, report: PipelineReport, template_map_fn: Callable | None = None,
+           skip_bad_rows: bool = False):
     """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``).
-    ``template_map_fn`` (``folds_into_encode``) is applied to each batch first."""
+    ``template_map_fn`` (``folds_into_encode``) is applied to each batch first. A row whose trained answer
+    the template cannot render stops the pipeline, or with ``skip_bad_rows`` is dropped with the rows left
+    without a trained token (``drop_untrained``)."""
     from datasets.fingerprint import Hasher
 
     from sfttool.dataset.chat_format import renderer
@@ -146,7 +149,7 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     mode = "chat template" if hf_chat_template else "template"
     settings = dict(max_length=max_length, source=source, input_ids_with_output=input_ids_with_output,
                     hf_chat_template=hf_chat_template, chat_options=chat_options,
-                    carry=[name for name in dataset.column_names if name not in remove])
+                    carry=[name for name in dataset.column_names if name not in remove], skip_bad_rows=skip_bad_rows)
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
                                     template_map_fn and Hasher.hash(template_map_fn))
@@ -265,11 +268,12 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
                  max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=(),
                  shuffle_before_pack=True, pack_to_max_length=True, input_ids_with_output=True,
                  map_num_proc=None, seed=0, pack_strategy="bfd", do_dataset_tokenization=True,
-                 source=None, keep_stages=False):
+                 source=None, keep_stages=False, skip_bad_rows=False):
     """All stages in order; returns ``(dataset, PipelineReport)``.
 
     ``keep_stages`` stores the dataset after each stage in ``report.stages``
-    (``check-custom-dataset`` prints them).
+    (``check-custom-dataset`` prints them); the template stage then runs as a ``map`` of its own, which
+    the encode stage reads, instead of inside the encode stage's ``map``: each runs once either way.
     """
     source = source or source_name(dataset)
     template = template_of(template_map_fn)
@@ -291,11 +295,10 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         stage("map_fn", dataset)
     if do_dataset_tokenization and all(new != "conversation" for _, new in rename_maps):
         require_conversation(dataset, map_fn, source)  # before the template map fn, which would see none
-    fold = folds_into_encode(template_map_fn, rename_maps, do_dataset_tokenization)
-    if template_map_fn is not None and (keep_stages or not fold):
-        templated = apply_template(dataset, template_map_fn, num_proc, source)
-        stage("template", templated)  # when folded, only the view check-custom-dataset prints
-        dataset = dataset if fold else templated
+    fold = folds_into_encode(template_map_fn, rename_maps, do_dataset_tokenization) and not keep_stages
+    if template_map_fn is not None and not fold:
+        dataset = apply_template(dataset, template_map_fn, num_proc, source)
+        stage("template", dataset)
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)
     if do_dataset_tokenization:
@@ -303,7 +306,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         dataset = require_rows(drop_empty(dataset, report), report)
         remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
         dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove, num_proc,
-                         source, report, template_map_fn if fold else None)
+                         source, report, template_map_fn if fold else None, skip_bad_rows)
         count_truncated(dataset, report)
         if input_ids_with_output:
             dataset = require_rows(drop_untrained(dataset, report, max_length), report)
@@ -322,7 +325,8 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                        max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=[],
                        shuffle_before_pack=True, pack_to_max_length=True, use_varlen_attn=False,
                        input_ids_with_output=True, with_image_token=False, map_num_proc=None, seed=0,
-                       pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True, source=None):
+                       pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True, source=None,
+                       skip_bad_rows=False):
     """XTuner's ``process_hf_dataset``: a training ``datasets.Dataset`` from raw data.
 
     >>> ds = process_hf_dataset(rows, tokenizer, max_length=2048,
@@ -333,7 +337,10 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     New arguments: ``seed`` (every shuffle and subset), ``pack_strategy``
     (``'bfd'`` never splits a sample; ``'concat'`` is XTuner's cut),
     ``cache_dir`` (reuse a processed dataset when nothing that changes it did),
-    ``source`` (the data file(s) errors name when ``dataset`` is already built).
+    ``source`` (the data file(s) errors name when ``dataset`` is already built),
+    ``skip_bad_rows`` (drop, counted, the rows whose trained answers the template cannot render, such as
+    tool calls under a template without tools, instead of stopping at the first: ``unrendered``;
+    ``--skip-bad-rows`` sets it).
     ``map_num_proc=None`` picks a process count from the CPU count and data size.
     ``use_varlen_attn`` only matters to the collate fn and model (rows always
     carry per-sample position_ids); as in XTuner it requires packing.
@@ -346,7 +353,8 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 rename_maps=list(rename_maps),
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
-                pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source)
+                pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source,
+                skip_bad_rows=skip_bad_rows)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return cached_pipeline(cache_dir, args, run_pipeline)

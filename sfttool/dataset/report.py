@@ -33,6 +33,11 @@ def drop_emptied(notes: Sequence[str] = ()) -> str:
     return f"{DROP_EMPTY} after dataset_map_fn: {'; '.join(notes)}" if notes else DROP_EMPTY
 
 
+def drop_unrendered(feature: str) -> str:
+    """A row whose trained answer the template cannot render (``unrendered``), dropped by skip_bad_rows."""
+    return f"the template does not render its {feature} (--skip-bad-rows)"
+
+
 @dataclass
 class PipelineReport:
     """Counts of one pipeline run or one reader's pass over a stream; ``stages`` keeps a dataset

@@ -7,12 +7,14 @@ stages use (the dataset, the map fns, the template), and where errors point
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.load import check_json_file, expand_data_files, local_json_files
 from sfttool.dataset.source import DataSource, read_failure, reader_errors
+from sfttool.errors import SfttoolError
 from sfttool.registry import MAP_FUNC, ConfigBuildError, build, build_if_config, resolve_type, type_name
 
 
@@ -176,3 +178,36 @@ def _row_files(dataset_cfg: dict) -> list[str]:
     if isinstance(data_files, dict) and len(data_files) > 1:
         return []
     return files if len(files) == len(expand_data_files(data_files)) else []
+
+
+def skip_bad_rows_in(cfg: Any) -> int:
+    """``--skip-bad-rows``: set ``skip_bad_rows=True`` on every dataset config in ``cfg`` whose builder takes it
+    (``process_hf_dataset``, ``StreamingPackedDataset``; training and validation data, each part of a mix).
+    Returns how many; none is an error (the flag would change nothing)."""
+    found = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "skip_bad_rows" in _parameters(node.get("type")):
+                node["skip_bad_rows"] = True
+                found.append(node)
+            for key in list(node.keys()):
+                walk(node[key])
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+    walk(getattr(cfg, "_cfg_dict", cfg))
+    if not found:
+        raise DatasetError("--skip-bad-rows: no dataset of this config can skip rows (process_hf_dataset and "
+                           "StreamingPackedDataset can); leave the flag out")
+    return len(found)
+
+
+def _parameters(type_: Any) -> tuple[str, ...]:
+    """The keyword arguments a config's ``type`` takes (none when it names nothing importable)."""
+    if type_ is None:
+        return ()
+    try:
+        return tuple(inspect.signature(resolve_type(type_)).parameters)
+    except (SfttoolError, TypeError, ValueError):
+        return ()

@@ -21,10 +21,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sfttool.dataset.conversation import is_empty, with_every_key
-from sfttool.dataset.encode import UNTRAINED_MASKED
+from sfttool.dataset.encode import UNTRAINED_EMPTY, UNTRAINED_MASKED, encode_batch_arrays, renderer_name
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.report import (DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_emptied,
-                                    drop_prompt_too_long)
+                                    drop_prompt_too_long, drop_unrendered)
+from sfttool.dataset.unrendered import REFUSED
 from sfttool.utils.constants import IGNORE_INDEX
 
 NOTES_COLUMN = "_sfttool_notes"  # what a map fn changed in the row, "\n"-joined ("" for nothing)
@@ -200,7 +201,11 @@ def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], firs
     """Rows without a trained token are dropped, counted by cause; returns the keep mask.
 
     ``first_trained`` (``encode_batch``) is where the answer starts in the whole sample: a row whose
-    answer starts at or after ``max_length`` lost it to truncation (the prompt is too long)."""
+    answer starts at or after ``max_length`` lost it to truncation (the prompt is too long); when
+    negative, why nothing is trained (the answers are masked, empty, or, with skip_bad_rows, refused
+    for what the template does not render: ``unrendered.REFUSED``)."""
+    untrained = {UNTRAINED_MASKED: DROP_MASKED, UNTRAINED_EMPTY: DROP_EMPTY_ANSWER,
+                 **{code: drop_unrendered(feature) for feature, code in REFUSED.items()}}
     causes: dict[str, list[str]] = {}
     for trained, first, number in zip(num_trained, first_trained, row_numbers):
         if trained:
@@ -208,7 +213,7 @@ def drop_untrained_rows(report: PipelineReport, num_trained: Sequence[int], firs
         if first >= 0:
             cause, name = drop_prompt_too_long(max_length), f"{row_name(number)} (prompt of {first} tokens)"
         else:
-            cause, name = (DROP_MASKED if first == UNTRAINED_MASKED else DROP_EMPTY_ANSWER), row_name(number)
+            cause, name = untrained[first], row_name(number)
         causes.setdefault(cause, []).append(name)
     for cause, rows in causes.items():
         report.drop(cause, rows)
@@ -231,9 +236,8 @@ def ignored_field_notes(conversations: Sequence[Any], row_numbers: Sequence[int]
     notes: dict[str, list[str]] = {}
     if not ignored:
         return notes
-    which = "the prompt template (use hf_chat_template)"
-    if hf_chat_template:  # ``tokenizer`` is what renders: the tokenizer, or a template's ChatFormat
-        which = "the template's CHAT_FORMAT" if hasattr(tokenizer, "fields") else "the tokenizer's chat template"
+    # ``tokenizer`` is what renders: the tokenizer, or a template's ChatFormat.
+    which = renderer_name(tokenizer, hf_chat_template) + ("" if hf_chat_template else " (use hf_chat_template)")
     for conversation, number in zip(conversations, row_numbers):
         try:
             found = fields_of(conversation) & ignored
@@ -306,7 +310,7 @@ def pretokenized_table(dataset, max_length: int, report: PipelineReport):
 
 
 # ---------------------------------------------------------------------------
-# Template + encode in one pass.
+# The template and encode stages in one pass.
 
 @contextlib.contextmanager
 def gc_paused():
@@ -325,90 +329,10 @@ def gc_paused():
 
 @gc_paused()
 def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], template_map_fn: Callable | None,
-                              source: str | None = None, **encode_args: Any) -> dict:
-    """``encode_batch`` on the batch after ``template_map_fn`` (when given): one ``datasets.map`` where two
-    would write every conversation to Arrow and read it back in between. Same samples as the two stages;
-    in template mode the columns come back as numpy arrays (``numpy_columns``)."""
-    from sfttool.dataset.encode import encode_batch
+                              source: str | None = None, **encode_args: Any):
+    """The template stage (``map_batch`` with ``template_map_fn``, when given), then the encode stage
+    (``encode.encode_batch_arrays``), each run once on the batch: one ``datasets.map`` where two would write
+    every conversation to Arrow and read it back in between. Same samples as the two stages apart."""
     if template_map_fn is not None:
         batch = {**batch, **map_batch(batch, indices, template_map_fn, source, role="template_map_fn")}
-    if encode_args.get("hf_chat_template"):
-        return encode_batch(batch, indices, source=source, **encode_args)
-    return encode_template_batch(batch, indices, source=source, **encode_args)
-
-
-def encode_template_batch(batch: dict[str, list], indices: Sequence[int], tokenizer, max_length: int,
-                          input_ids_with_output: bool = True, source: str | None = None, carry: Sequence[str] = (),
-                          **_: Any) -> dict:
-    """``encode_batch`` in template mode (one sample per row), its columns built by ``numpy_columns``. When the
-    only input column kept is ``ROW_COLUMN`` (packing), the batch comes back as one Arrow table
-    (``arrow_columns``), which ``datasets`` writes as it is."""
-    from sfttool.dataset.encode import check_batch, template_pieces
-    numbers = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)
-    conversations = batch["conversation"]
-    check_batch(conversations, numbers, source, input_ids_with_output)
-    tokens = flat_tokens([template_pieces(c, input_ids_with_output) for c in conversations], tokenizer)
-    if list(carry) == [ROW_COLUMN]:
-        return arrow_columns(tokens, conversations, max_length, numbers)
-    return {**numpy_columns(tokens, conversations, max_length), ROW_COLUMN: numbers}
-
-
-def flat_tokens(rows: list[list[Any]], tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``tokenize_pieces``' samples laid end to end: ``(ids [tokens], labels [tokens], lengths [rows])``.
-    Each token is read once into numpy; labels are the ids where their piece is trained."""
-    import itertools
-
-    from sfttool.dataset.encode import piece_ids
-    per_row = piece_ids(rows, tokenizer)
-    parts = [part for row in per_row for part in row]
-    part_lengths = np.fromiter((len(ids) for ids, _ in parts), np.int64, len(parts))  # [pieces]
-    trained = np.fromiter((flag for _, flag in parts), bool, len(parts))
-    ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in parts), np.int32, int(part_lengths.sum()))
-    labels = np.where(np.repeat(trained, part_lengths), ids, np.int32(IGNORE_INDEX))
-    owner = np.repeat(np.arange(len(per_row)), [len(row) for row in per_row])  # [pieces]: its row
-    lengths = np.bincount(owner, weights=part_lengths, minlength=len(per_row)).astype(np.int64)
-    return ids, labels, lengths
-
-
-def flat_columns(tokens: tuple[np.ndarray, np.ndarray, np.ndarray], conversations: list, max_length: int) -> dict:
-    """``encode_batch``'s columns (``_truncated_columns``) computed over all tokens of the batch at once: each
-    token is read once into numpy, instead of being sliced, counted and converted to Arrow row by row.
-    ``input_ids`` and ``labels`` are the batch's tokens kept at ``max_length``, flat ([kept tokens]); the
-    counts are ``_truncated_columns``' ([rows])."""
-    from sfttool.dataset.encode import first_trained
-    ids, labels, full = tokens  # [tokens], [tokens], [rows]
-    n, total = len(full), len(ids)
-    row = np.repeat(np.arange(n), full)
-    position = np.arange(total) - np.repeat(np.cumsum(full) - full, full)  # of each token in its sample
-    kept, trained = position < max_length, labels != IGNORE_INDEX
-    first = np.full(n, -1, np.int64)
-    rows_trained, at = np.unique(row[trained], return_index=True)  # rows in order: the first is the earliest
-    first[rows_trained] = position[trained][at]
-    for i in np.flatnonzero(first < 0):  # no trained token: why not
-        first[i] = first_trained([], conversations[i])
-    return {"input_ids": ids[kept], "labels": labels[kept],
-            "length": np.minimum(full, max_length).astype(np.int32), "num_tokens": full.astype(np.int32),
-            "num_trained": np.bincount(row[trained & kept], minlength=n).astype(np.int32),
-            "first_trained": first.astype(np.int32)}
-
-
-def numpy_columns(tokens: tuple[np.ndarray, np.ndarray, np.ndarray], conversations: list, max_length: int) -> dict:
-    """``flat_columns`` with ``input_ids`` and ``labels`` split into one numpy array per row (``datasets``
-    writes a list of numpy arrays as one Arrow list array)."""
-    columns = flat_columns(tokens, conversations, max_length)
-    cuts = np.cumsum(columns["length"])[:-1]
-    for name in ("input_ids", "labels"):  # np.split of nothing gives one part
-        columns[name] = np.split(columns[name], cuts) if len(conversations) else []
-    return columns
-
-
-def arrow_columns(tokens: tuple[np.ndarray, np.ndarray, np.ndarray], conversations: list, max_length: int,
-                  row_numbers: Sequence[int]):
-    """``flat_columns`` as one Arrow table with ``ROW_COLUMN``: the token columns are list arrays over the flat
-    tokens and their offsets, with no array per row."""
-    import pyarrow as pa
-    columns = flat_columns(tokens, conversations, max_length)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(columns["length"], dtype=np.int64)]).astype(np.int32))
-    for name in ("input_ids", "labels"):
-        columns[name] = pa.ListArray.from_arrays(offsets, pa.array(columns[name]))
-    return pa.table({**columns, ROW_COLUMN: pa.array(np.asarray(row_numbers, np.int64))})
+    return encode_batch_arrays(batch, indices, source=source, **encode_args)

@@ -114,10 +114,11 @@ def log_pass(stats: PipelineReport, epoch: int, reader: tuple[int, int, int, int
 class StreamingEncoder:
     """``(row number, raw row)`` chunks -> encoded samples through ``process_hf_dataset``'s stage
     functions: dataset map fn, template map fn, drop empty, encode (truncated to ``max_length``),
-    drop rows without a trained token; counts go to a ``PipelineReport``."""
+    drop rows without a trained token (and, with ``skip_bad_rows``, rows whose trained answers the template
+    cannot render); counts go to a ``PipelineReport``."""
 
     def __init__(self, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
-                 template_map_fn: Any = None, input_ids_with_output: bool = True):
+                 template_map_fn: Any = None, input_ids_with_output: bool = True, skip_bad_rows: bool = False):
         from sfttool.dataset.resolve import resolve_map_fn, resolve_template_map_fn, template_of
         from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
@@ -128,6 +129,7 @@ class StreamingEncoder:
         self.chat_options = chat_template_options(template_of(template_map_fn))
         self.template_map_fn = None if self.hf_chat_template else resolve_template_map_fn(template_map_fn)
         self.input_ids_with_output = input_ids_with_output
+        self.skip_bad_rows = skip_bad_rows
 
     def standard(self, rows: list[Any], numbers: list[int], source: str | None, stats: PipelineReport) -> list:
         """Raw rows -> their conversations (map fn, then template); errors name the file, row and stage."""
@@ -160,7 +162,8 @@ class StreamingEncoder:
         kept = [c for c, k in zip(conversations, keep) if k]
         count_ignored_fields(stats, kept, numbers, renderer(self.tokenizer, self.chat_options), self.hf_chat_template)
         out = encode_batch({"conversation": kept}, numbers, self.tokenizer, self.max_length,
-                           self.input_ids_with_output, self.hf_chat_template, source, self.chat_options)
+                           self.input_ids_with_output, self.hf_chat_template, source, self.chat_options,
+                           skip_bad_rows=self.skip_bad_rows)
         numbers = out[ROW_COLUMN]  # one per sample: a conversation may become several (chat_targets)
         if self.hf_chat_template:
             count_split(stats, numbers)
@@ -260,7 +263,8 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
     iterations and epochs with (a stream has no length of its own): the packed rows
     *one rank* reads per pass, all its dataloader workers together. An estimate is
     fine; the stream itself always runs to its end, and a resume lands on the exact
-    batch only when ``len(dataloader)`` equals the batches of a pass.
+    batch only when ``len(dataloader)`` equals the batches of a pass. ``skip_bad_rows``: rows whose
+    trained answers the template cannot render are dropped, counted, instead of stopping the run.
     """
 
     # The registry hands `dataset` over as its config, unbuilt, so that errors can name its files.
@@ -273,7 +277,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  shuffle_before_pack: bool = True, use_varlen_attn: bool = False, pack_strategy: str = "bfd",
                  max_dataset_length: int | None = None, rename_maps: Any = (), with_image_token: bool = False,
                  do_dataset_tokenization: bool = True, remove_unused_columns: bool | None = None,
-                 map_num_proc: int | None = None, cache_dir: str | None = None):
+                 map_num_proc: int | None = None, cache_dir: str | None = None, skip_bad_rows: bool = False):
         refuse_changed_results(max_dataset_length, rename_maps, do_dataset_tokenization)
         check_settings(max_length, buffer_size, encode_chunk, rows_per_epoch, pack_to_max_length,
                        use_varlen_attn, pack_strategy, with_image_token)
@@ -283,7 +287,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
         self.source = source or source_name(dataset)  # the file(s) errors name
         self.dataset = resolve_source(dataset, split)
         self.encoder = StreamingEncoder(tokenizer, max_length, dataset_map_fn, template_map_fn,
-                                        input_ids_with_output)
+                                        input_ids_with_output, skip_bad_rows)
         self.max_length = max_length
         self.pack_to_max_length = pack_to_max_length
         self.shuffle_before_pack = shuffle_before_pack

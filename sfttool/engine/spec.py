@@ -36,6 +36,7 @@ class TrainOptions:
     dry_run: bool = False               # one iteration, nothing kept
     verbose: bool = False               # the full config and hook table on the terminal too
     strict: bool = False                # a template that does not match the tokenizer is an error
+    skip_bad_rows: bool = False         # drop, counted, rows whose trained answers the template cannot render
 
     def command_line(self) -> list[str]:
         """The same flags as ``sfttool train`` arguments (what the launcher gives each process)."""

@@ -26,6 +26,7 @@ from mmengine.runner import set_random_seed
 
 from sfttool import compat
 from sfttool.config import load_config
+from sfttool.dataset.resolve import skip_bad_rows_in
 from sfttool.engine import checks, preflight
 from sfttool.engine.assemble import build_runner, replay_setup_log, setup_log
 from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
@@ -46,7 +47,9 @@ def train(config: str, **flags: Any) -> Path:
     ``cfg_options``, ``trust_remote_code``, ``max_steps`` (stop after that many optimizer steps,
     with a checkpoint), ``dry_run`` (build and check everything, process the data, run one
     iteration, keep nothing but the dataset cache), ``verbose`` (the full config and hook table on
-    the terminal too), ``strict`` (a template that does not match the tokenizer is an error)."""
+    the terminal too), ``strict`` (a template that does not match the tokenizer is an error),
+    ``skip_bad_rows`` (the datasets drop, counted, the rows whose trained answers the template cannot
+    render, instead of stopping)."""
     options = TrainOptions(**flags)
     compat.quiet_library_noise()
     with compat.quiet_console(options.verbose):
@@ -65,8 +68,16 @@ def train(config: str, **flags: Any) -> Path:
 def check(config: str, options: TrainOptions, world_size: int) -> Any:
     """Load the config and check every rule for ``world_size`` processes (what the launcher runs once
     before starting them). Returns the config."""
-    cfg = load_config(config, options.cfg_options)
+    cfg = load_run_config(config, options)
     checks.report(checks.run_checks(cfg, options, world_size))
+    return cfg
+
+
+def load_run_config(config: str, options: TrainOptions) -> Any:
+    """The config with ``--cfg-options`` merged and ``--skip-bad-rows`` set on its datasets."""
+    cfg = load_config(config, options.cfg_options)
+    if options.skip_bad_rows:
+        skip_bad_rows_in(cfg)
     return cfg
 
 
@@ -74,7 +85,7 @@ def prepare(config: str, options: TrainOptions) -> tuple[Any, RunSpec]:
     """The config, checked, and the run decided: everything that can fail before anything is built
     fails here, in seconds. Processes the launcher started were checked by it."""
     preflight.announce_config(config)
-    cfg = load_config(config, options.cfg_options)
+    cfg = load_run_config(config, options)
     preflight.remote_code_policy(cfg, options.trust_remote_code)  # its warning shows even if a check refuses
     if not checks.checked_by_launcher():
         checks.report(checks.run_checks(cfg, options, world_size_from_env()))

@@ -28,7 +28,7 @@ from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.mix import mix_datasets
 from sfttool.dataset.pipeline import run_pipeline
 from sfttool.dataset.report import change_lines, drop_emptied, drop_lines, split_lines
-from sfttool.dataset.resolve import resolve_map_fn, source_name, template_of
+from sfttool.dataset.resolve import resolve_map_fn, skip_bad_rows_in, source_name, template_of
 from sfttool.dataset.stages import map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type
@@ -196,13 +196,16 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
 # The command.
 
 def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Echo = print,
-                  color: bool = False) -> int:
+                  color: bool = False, skip_bad_rows: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
-    A ``mix_datasets`` node is checked dataset by dataset.
+    A ``mix_datasets`` node is checked dataset by dataset. ``skip_bad_rows``: as ``sfttool train
+    --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
     """
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
+    if skip_bad_rows:
+        skip_bad_rows_in(cfg)
     node = dataset_node(cfg)
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")

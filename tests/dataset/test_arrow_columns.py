@@ -9,7 +9,7 @@ from sfttool import assets
 from sfttool.dataset.errors import ROW_COLUMN
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.dataset.pipeline import run_pipeline
-from sfttool.dataset.stages import encode_template_batch
+from sfttool.dataset.encode import encode_batch_arrays
 
 QWEN = template_map_fn_factory("qwen_chat")
 
@@ -24,8 +24,8 @@ def conversations():
 @pytest.mark.parametrize("max_length", [1, 16, 64, 4096])
 def test_the_table_holds_the_numpy_columns(tiny_tokenizer, max_length):
     batch = {"conversation": conversations(), ROW_COLUMN: list(range(7, 7 + len(conversations())))}
-    table = encode_template_batch(batch, [], tiny_tokenizer, max_length, carry=[ROW_COLUMN])
-    columns = encode_template_batch(batch, [], tiny_tokenizer, max_length)
+    table = encode_batch_arrays(batch, [], tiny_tokenizer, max_length, carry=[ROW_COLUMN])
+    columns = encode_batch_arrays(batch, [], tiny_tokenizer, max_length)
     assert table.column_names == list(columns)
     assert table.to_pydict() == {name: [v.tolist() if hasattr(v, "tolist") else v for v in values]
                                  for name, values in columns.items()}
@@ -33,7 +33,7 @@ def test_the_table_holds_the_numpy_columns(tiny_tokenizer, max_length):
 
 
 def test_an_empty_batch_is_an_empty_table(tiny_tokenizer):
-    table = encode_template_batch({"conversation": [], ROW_COLUMN: []}, [], tiny_tokenizer, 8, carry=[ROW_COLUMN])
+    table = encode_batch_arrays({"conversation": [], ROW_COLUMN: []}, [], tiny_tokenizer, 8, carry=[ROW_COLUMN])
     assert table.num_rows == 0 and table.column_names[-1] == ROW_COLUMN
 
 

@@ -329,10 +329,14 @@ def test_a_field_the_chat_template_ignores_is_counted(tokenizers):
                              dataset_map_fn=openai_map_fn, template_map_fn=_template_fn(), map_num_proc=1)
     note = "reasoning_content ignored by the tokenizer's chat template: not in the trained text"
     assert report.changed == {note: 2} and report.change_examples[note] == ["row 0", "row 2"]
-    _, report = run_pipeline(as_dataset([QWEN25_ROW]), tokenizers["qwen2.5"], 2048,
-                             dataset_map_fn=openai_map_fn, template_map_fn=_template_fn("qwen_chat"), map_num_proc=1)
+    # A prompt template renders no tool call: the tool-calling row is dropped (skip_bad_rows; without it
+    # the pipeline stops, test_unrendered.py), the fields it ignored counted all the same.
+    _, report = run_pipeline(as_dataset([QWEN25_ROW, PLAIN_ROW]), tokenizers["qwen2.5"], 2048,
+                             dataset_map_fn=openai_map_fn, template_map_fn=_template_fn("qwen_chat"), map_num_proc=1,
+                             skip_bad_rows=True)
     assert sorted(report.changed.values()) == [1, 1, 1]  # tools, tool calls, tool messages: template mode
     assert all("ignored by the prompt template (use hf_chat_template)" in note for note in report.changed)
+    assert report.dropped == {"the template does not render its tool calls (--skip-bad-rows)": 1}
 
 
 def test_the_reasoning_settings_reach_the_encoder_from_the_template(tokenizers):

@@ -249,12 +249,20 @@ def test_chat_template_ids_equal_apply_chat_template_on_sentencepiece(sentencepi
 
 
 def test_labels_from_spans_trains_tokens_that_overlap_an_answer():
-    from sfttool.dataset.encode import labels_from_spans
+    from sfttool.dataset.encode_columns import span_samples
     offsets = [(0, 3), (3, 5), (5, 9), (9, 12), (12, 12), (12, 15)]
+
+    def labels_from_spans(ids, offsets, spans, before=0):
+        """The labels of one sample, between ``before`` samples of the same text trained whole and one more."""
+        samples = [(ids, offsets)] * (before + 2)
+        spans = [[(0, 15)]] * before + [spans, [(0, 15)]]
+        return span_samples(samples, ["x" * 15] * (before + 2), spans).labels.tolist()[-2 * len(ids):-len(ids)]
     # The answer is characters 6..12: the token at 5..9 straddles its start and is trained.
-    assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(6, 12)]) == [IGNORE, IGNORE, 3, 4, IGNORE, IGNORE]
-    assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(0, 3), (12, 15)]) == [1, IGNORE, IGNORE, IGNORE,
-                                                                                  IGNORE, 6]
+    for before in (0, 2):  # another sample's spans never reach into this one
+        assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(6, 12)], before) == [IGNORE, IGNORE, 3, 4, IGNORE,
+                                                                                    IGNORE]
+        assert labels_from_spans([1, 2, 3, 4, 5, 6], offsets, [(0, 3), (12, 15)], before) == [1, IGNORE, IGNORE,
+                                                                                             IGNORE, IGNORE, 6]
 
 
 def test_chat_template_that_ends_a_finished_chat_with_eos(tiny_tokenizer_dir):
