@@ -37,6 +37,7 @@ class RunPlan:
 
 
 def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
+    from sfttool.engine.hooks.step_logger_hook import log_processor_cfg
     from sfttool.engine.schedulers import resolve_param_schedulers
     from sfttool.engine.tracking import visualizer_cfg
     from sfttool.parallel.sequence import setup_sequence_parallel
@@ -52,7 +53,7 @@ def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
         param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, full_run,
                                                  accumulative_counts(cfg)),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=plan.launcher, env_cfg=env_cfg(cfg, plan),
-        log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
+        log_processor=log_processor_cfg(cfg.get("log_processor")), log_level=cfg.get("log_level", "INFO"),
         visualizer=visualizer_cfg(cfg), randomness=dict(cfg.get("randomness") or {}, seed=plan.seed),
         resume=plan.resume_from is not None, load_from=plan.resume_from or cfg.get("load_from"), cfg=cfg,
         experiment_name=plan.name, **plan.validation)
@@ -145,10 +146,12 @@ def hooks(cfg: Any, plan: RunPlan, iterations: int) -> tuple[dict, list]:
     hooks every run gets: RNG state for exact resume, progress, preemption, an early stop."""
     from sfttool.engine.checkpoint import RNGStateHook
     from sfttool.engine.hooks.progress_hook import ProgressHook
+    from sfttool.engine.hooks.step_logger_hook import step_logger
 
     default = dict(cfg.get("default_hooks") or {})
     default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), plan)
     interval = _cap_logger_interval(default, iterations)
+    default["logger"] = step_logger(default["logger"])  # train lines at optimizer-step ends
     default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
     every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom) + _plot_hook(custom)
