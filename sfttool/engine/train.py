@@ -25,6 +25,7 @@ from sfttool import compat
 from sfttool.config import load_config
 from sfttool.engine import preflight
 from sfttool.engine.assemble import RunPlan, build_runner, experiment_name, replay_setup_log, setup_log
+from sfttool.engine.cpu_threads import choose_cpu_threads
 from sfttool.engine.processes import (build_dataset_rank0_first, close_process_group, init_distributed,
                                       one_process_rank_env)
 from sfttool.registry import build
@@ -67,8 +68,7 @@ def prepare(config: str, work_dir: str | None, deepspeed: str | None, resume: st
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
     preflight.remote_code_policy(cfg, trust_remote_code)
     work_dir, resume_from = preflight.check_run(cfg, work_dir, deepspeed, resume)
-    if deepspeed:
-        compat.limit_cpu_threads()
+    choose_cpu_threads(deepspeed is not None)
     misaligned = preflight.checkpoint_interval_warning(cfg)
     if misaligned:
         preflight.warn(misaligned)
