@@ -80,7 +80,8 @@ seed = 42
 save_steps = 1000
 save_total_limit = 1
 
-# Logging: means over the last 5 iterations (loss, rewards/chosen, /rejected, /margins, /accuracies)
+# Logging: the loss, rewards/chosen, /rejected, /margins, /accuracies of an optimizer step (means over its
+# pairs), every log_interval steps
 log_interval = 5             # 72 steps in all: the margin every 5 of them
 
 # Sample generations before and after training (greedy)
