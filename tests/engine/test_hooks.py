@@ -184,23 +184,24 @@ def test_generates_once_per_iteration(tmp_path, tiny_tokenizer, monkeypatch, max
 
 
 def test_the_terminal_shows_the_answers_before_and_after_training_and_where_they_are(tmp_path, tiny_tokenizer,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, capsys):
     """The README promises generations before and after training; the terminal (INFO hidden) showed none."""
     from sfttool import compat
 
+    monkeypatch.setattr(compat, "console_is_verbose", lambda: False)
     hook = EvaluateChatHook(tiny_tokenizer, ["Who are you?", "2+2?"])
     answers = iter(["I am a model.", "5", "I'm Quill,\n made by\tLarkspur Labs.", "4"])
     monkeypatch.setattr(hook, "_answer", lambda model, runner, text, iteration: {
         "iter": iteration, "input": text, "prompt": text, "output": next(answers)})
-    shown = []
-    monkeypatch.setattr(compat, "inform", shown.append)  # an INFO line the quiet terminal shows
     runner = fake_runner(torch.nn.Linear(2, 2), tmp_path)
     hook.before_train(runner)
     runner.iter = 12
+    capsys.readouterr()
     hook.after_train(runner)
-    assert shown == [f"Sample answers (all of them in {tmp_path}/eval_outputs/):\n"
-                     "  Who are you?\n    iter 0:  I am a model.\n    iter 12: I'm Quill, made by Larkspur Labs.\n"
-                     "  2+2?\n    iter 0:  5\n    iter 12: 4"]
+    assert capsys.readouterr().out == (
+        f"Sample answers (all of them in {tmp_path}/eval_outputs/):\n"
+        "  Who are you?\n    iter 0:  I am a model.\n    iter 12: I'm Quill, made by Larkspur Labs.\n"
+        "  2+2?\n    iter 0:  5\n    iter 12: 4\n")
     assert sorted(p.name for p in (tmp_path / "eval_outputs").iterdir()) == ["iter_0.jsonl", "iter_12.jsonl"]
 
 

@@ -80,7 +80,10 @@ class EvaluateChatHook(Hook):
         if is_main_process():
             from sfttool import compat
 
-            compat.inform(answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs")))
+            text = answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs"))
+            runner.logger.info(text)
+            if not compat.console_is_verbose():  # the quiet terminal shows no INFO line: print it plainly
+                print(text, flush=True)
 
     # -- generation -------------------------------------------------------
 
