@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import torch
+from mmengine.dist import all_reduce
 
 STEP_METRICS = "step_metrics"
 
@@ -93,8 +94,6 @@ class StepAccumulator:
     def reduce(self) -> dict[str, float]:
         """``{name: sum / count}`` over the step's micro-batches and every process (one all-reduce;
         every process calls it at the same step); NaN for a count of 0."""
-        from mmengine.dist import all_reduce
-
         names = sorted(self._sums)
         if not names:
             return {}

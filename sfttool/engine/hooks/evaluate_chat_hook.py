@@ -25,6 +25,7 @@ from typing import Any
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
+from sfttool import compat
 from sfttool.registry import BUILDER, build_if_config
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
@@ -78,8 +79,6 @@ class EvaluateChatHook(Hook):
     def after_train(self, runner) -> None:
         last = self._last if self._generated_at == runner.iter else self._generate(runner, runner.iter)
         if is_main_process():
-            from sfttool import compat
-
             text = answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs"))
             runner.logger.info(text)
             if not compat.console_is_verbose():  # the quiet terminal shows no INFO line: print it plainly
