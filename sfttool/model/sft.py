@@ -291,7 +291,9 @@ class SupervisedFinetune(BaseModel):
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's
         last position predicts the next slice's first token); the returned value is the whole rows'
         loss on every rank, while each rank's gradient is its own slice's (see ``sfttool.parallel.comm``)."""
-        units = self._loss_units(keep, position_ids)  # the whole rows', as the summed loss below
+        # `total` below is the group's mean of its ranks' slice losses, the rows' summed loss / sp: a
+        # rank's share of it, shown beside the same share of the rows' loss units.
+        units = self._loss_units(keep, position_ids) / split.size
         weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] over the whole rows
         targets = split.local(targets, L.IGNORE_INDEX)  # [batch, seq/sp]
         weights = None if weights is None else split.local(keep.float().masked_scatter(keep, weights), 0.0)

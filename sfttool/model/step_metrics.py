@@ -16,8 +16,8 @@ the same values in every micro-batch (the reduction is one collective over a fix
 
 ``count`` is in whatever unit the value is a mean over: trained tokens (or samples) for an SFT
 loss, pairs for preference metrics, completions or tokens for RL metrics. Under sequence
-parallelism every process of a group returns the whole rows' sum and count, so both are counted
-``sp`` times and their ratio is unchanged.
+parallelism the ``sp`` processes of a group share rows: each returns ``1/sp`` of the rows' sum and
+count, so the rows count once in the step.
 
 A value a model returns outside ``STEP_METRICS`` (a model that does not follow this contract)
 is shown as the mean of its micro-batches' values.
