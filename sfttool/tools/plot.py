@@ -87,8 +87,8 @@ def _records(file: Path):
 
 
 def smoothing_window(points: int) -> int:
-    """Logged points per smoothed point: a tenth of the curve, 1 to ``MAX_WINDOW``."""
-    return max(1, min(MAX_WINDOW, points // 10))
+    """Logged points per smoothed point: a fifth of the curve, 1 (no smoothing) to ``MAX_WINDOW``."""
+    return max(1, min(MAX_WINDOW, points // 5))
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -108,18 +108,24 @@ def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | No
 
     runs = [read_run(p, names[i] if names else None) for i, p in enumerate(paths)]
     fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    smoothed = False
     for i, run in enumerate(runs):
         color = f"C{i}"
         steps, losses = sorted(run.train), [run.train[s] for s in sorted(run.train)]
         window = smoothing_window(len(losses))
-        loss_ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
-        loss_ax.plot(steps, smooth(losses, window), color=color, linewidth=2,
-                     label=f"{run.name} (mean of the last {window} logged steps)" if window > 1 else run.name)
+        if window > 1:
+            smoothed = True
+            loss_ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
+            loss_ax.plot(steps, smooth(losses, window), color=color, linewidth=2,
+                         label=f"{run.name} (mean of the last {window} logged steps)")
+        else:  # too few points to smooth
+            loss_ax.plot(steps, losses, color=color, linewidth=2, label=run.name)
         if run.val:
             val_steps = sorted(run.val)
             loss_ax.plot(val_steps, [run.val[s] for s in val_steps], color=color, linestyle="--", marker="o")
         lr_ax.plot(sorted(run.lr), [run.lr[s] for s in sorted(run.lr)], color=color)
-    loss_ax.set_title("loss per optimizer step (thin: train, thick: train smoothed, dashed with dots: validation)")
+    train = "thin: train, thick: its trailing mean" if smoothed else "train"
+    loss_ax.set_title(f"loss per optimizer step ({train}, dashed with dots: validation)")
     loss_ax.set_ylabel("loss")
     loss_ax.legend()
     lr_ax.set_ylabel("learning rate")

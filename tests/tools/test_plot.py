@@ -53,9 +53,9 @@ def test_the_plot_draws_exactly_those_values(tmp_path, work_dir):
     out = tmp_path / "out" / "loss.png"
     fig = plot_runs([work_dir], out)
     loss_ax, lr_ax = fig.axes
-    raw, smoothed, val = loss_ax.lines
+    raw, val = loss_ax.lines  # 4 points: too few to smooth
     assert list(raw.get_xdata()) == [1, 2, 3, 4] and list(raw.get_ydata()) == [3.0, 2.5, 2.2, 2.0]
-    assert list(smoothed.get_ydata()) == [3.0, 2.5, 2.2, 2.0]  # 4 points: no smoothing (window 1)
+    assert loss_ax.get_title() == "loss per optimizer step (train, dashed with dots: validation)"
     assert list(val.get_xdata()) == [2, 4] and list(val.get_ydata()) == [2.7, 2.4]
     assert list(lr_ax.lines[0].get_ydata()) == [1e-4, 2e-4, 3e-4, 4e-4]
     assert lr_ax.get_xlabel() == "optimizer step"
@@ -79,7 +79,7 @@ def test_the_smoothed_line_is_a_trailing_mean_within_its_points(tmp_path):
     rng = random.Random(0)
     losses = [3.0 * 0.97 ** i + rng.uniform(-0.3, 0.3) for i in range(120)]
     window = smoothing_window(len(losses))
-    assert window == 12
+    assert window == 24
     smoothed = smooth(losses, window)
     for i, value in enumerate(smoothed):
         points = losses[max(0, i + 1 - window):i + 1]
@@ -88,8 +88,10 @@ def test_the_smoothed_line_is_a_trailing_mean_within_its_points(tmp_path):
     assert smooth([4.0, 2.0, 3.0, 1.0], window=2) == [4.0, 3.0, 2.5, 2.0]
     write_run(tmp_path / "long" / "20260101_000000", [train(i, v) for i, v in enumerate(losses, start=1)])
     fig = plot_runs([tmp_path / "long"], tmp_path / "long.png")
-    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["long (mean of the last 12 logged steps)"]
-    assert list(fig.axes[0].lines[1].get_ydata()) == smoothed
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["long (mean of the last 24 logged steps)"]
+    assert list(fig.axes[0].lines[0].get_ydata()) == losses and list(fig.axes[0].lines[1].get_ydata()) == smoothed
+    assert fig.axes[0].get_title() == ("loss per optimizer step (thin: train, thick: its trailing mean, dashed with "
+                                       "dots: validation)")
 
 
 def test_several_runs_one_legend_entry_each(tmp_path, work_dir):
