@@ -9,9 +9,10 @@ exact over all of its micro-batches and processes (``sfttool.engine.runner``);
 redrawn in place after every iteration (the loss changes at each step's end);
 elsewhere a line is printed at the end of the first optimizer step, of each step
 that holds a multiple of ``interval`` iterations (the logger's, so the lines come
-with the log's) and of the last. Speed and ETA count only this process's iterations after its
-first (which carries one-time costs; no ETA until the second): after ``--resume``
-the time before the interruption is not averaged in either.
+with the log's) and of the last. Speed and ETA count only this process's
+iterations after its first (which carries one-time costs; no ETA until the
+second): after ``--resume`` the time before the interruption is not averaged in
+either.
 """
 from __future__ import annotations
 
