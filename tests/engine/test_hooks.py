@@ -203,6 +203,10 @@ def test_the_terminal_shows_the_answers_before_and_after_training_and_where_they
         "  Who are you?\n    iter 0:  I am a model.\n    iter 12: I'm Quill, made by Larkspur Labs.\n"
         "  2+2?\n    iter 0:  5\n    iter 12: 4\n")
     assert sorted(p.name for p in (tmp_path / "eval_outputs").iterdir()) == ["iter_0.jsonl", "iter_12.jsonl"]
+    from sfttool.engine.hooks.evaluate_chat_hook import answers_text
+
+    long = answers_text([], [{"iter": 3, "input": "Q", "output": "word " * 60}], "w")
+    assert long.splitlines()[-1] == "    iter 3: " + ("word " * 40).rstrip() + " [...]"  # 200 characters shown
 
 
 # -- ThroughputHook: parameters counted, values logged -----------------------------

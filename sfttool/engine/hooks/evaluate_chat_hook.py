@@ -164,7 +164,7 @@ def answers_text(first: list[dict], last: list[dict], folder: str) -> str:
 
 def _shown(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + " [...]"
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS].rstrip() + " [...]"
 
 
 def _zero3(wrapped: Any) -> bool:
