@@ -78,7 +78,8 @@ seed = 42
 save_steps = 512             # a checkpoint every 512 iterations = 32 optimizer steps (a step boundary)
 save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 
-# Logging: means over the last 10 iterations (loss, rewards/chosen, /rejected, /margins, /accuracies)
+# Logging: the loss, rewards/chosen, /rejected, /margins, /accuracies of an optimizer step (means over its
+# pairs), at the end of each step that holds a multiple of log_interval iterations (here every step)
 log_interval = 10
 
 # Sample generations during training

@@ -25,6 +25,7 @@ from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, 
 from sfttool.engine.hooks.plot_hook import LossPlotHook
 from sfttool.engine.hooks.preemption_hook import PreemptionHook
 from sfttool.engine.hooks.progress_hook import ProgressHook
+from sfttool.engine.hooks.step_logger_hook import log_processor_cfg, step_logger
 from sfttool.engine.hooks.stop_hook import StopAfterHook
 from sfttool.engine.nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, guard_optim_wrapper_cfg
 from sfttool.engine.runner import TrainLoop
@@ -50,7 +51,7 @@ def build_runner(cfg: Any, spec: RunSpec, model: Any, dataset: Any, validation: 
         # the schedule of the full run, also when --max-steps stops early: --resume continues it unchanged
         param_scheduler=resolve_param_schedulers(cfg.get("param_scheduler"), per_epoch, full_run, spec.accumulation),
         default_hooks=default_hooks, custom_hooks=custom_hooks, launcher=spec.launcher, env_cfg=env_cfg(cfg),
-        log_processor=cfg.get("log_processor") or dict(by_epoch=False), log_level=cfg.get("log_level", "INFO"),
+        log_processor=log_processor_cfg(cfg.get("log_processor")), log_level=cfg.get("log_level", "INFO"),
         visualizer=visualizer_cfg(cfg, spec.trackers), randomness=dict(cfg.get("randomness") or {}, seed=spec.seed),
         resume=spec.resume_from is not None, load_from=spec.resume_from or cfg.get("load_from"), cfg=cfg,
         experiment_name=spec.name, **validation)
@@ -125,6 +126,7 @@ def hooks(cfg: Any, spec: RunSpec, iterations: int) -> tuple[dict, list]:
     default = dict(cfg.get("default_hooks") or {})
     default["checkpoint"] = _checkpoint_hook(default.get("checkpoint"), spec)
     interval = _cap_logger_interval(default, iterations)
+    default["logger"] = step_logger(default["logger"])  # train lines at optimizer-step ends
     default = {name: _build_hook(h, f"default_hooks.{name}") for name, h in default.items()}
     custom = [_build_hook(h, f"custom_hooks[{i}]") for i, h in enumerate(cfg.get("custom_hooks") or [])]
     every_run = [RNGStateHook(), ProgressHook(interval=interval)] + _preemption_hook(custom) + _plot_hook(custom)

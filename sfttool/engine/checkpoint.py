@@ -25,7 +25,6 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any
 
 from mmengine.dist import all_gather_object, barrier, is_main_process
 from mmengine.hooks import CheckpointHook, Hook

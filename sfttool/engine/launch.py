@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from sfttool.engine.cpu_threads import threads_per_process, usable_cpus
+
 # Set in the processes the launcher starts: it checked the run for them (``engine.checks``), so they do
 # not report the same findings once each.
 CHECKED_BY_LAUNCHER = "SFTTOOL_CHECKED_BY_LAUNCHER"
@@ -106,16 +108,21 @@ def torchrun_command(plan: LaunchPlan, train_args: list[str]) -> list[str]:
             "-m", "sfttool.cli.main", "train", *train_args]
 
 
-def worker_env() -> dict:
-    """Workers share the CPU cores: without CUDA, one OpenMP thread each unless
-    the user chose (DeepSpeed and gloo DDP are ~50x slower oversubscribed).
-    The launcher checked the run before starting them (``CHECKED_BY_LAUNCHER``)."""
+def worker_env(processes: int = 1, deepspeed: bool = False) -> dict:
+    """The workers' environment. They share the CPUs this process may use: unless the user set
+    ``OMP_NUM_THREADS``, each gets its share of them as ``OMP_NUM_THREADS`` (one under DeepSpeed
+    without a GPU; see ``sfttool.engine.cpu_threads``), where torchrun would give each one thread.
+    Without CUDA, DeepSpeed uses its CPU accelerator. The launcher checked the run before starting
+    them (``CHECKED_BY_LAUNCHER``)."""
     import torch
 
     env = dict(os.environ, **{CHECKED_BY_LAUNCHER: "1"})
-    if not torch.cuda.is_available():
-        env.setdefault("OMP_NUM_THREADS", "1")
+    cuda = torch.cuda.is_available()
+    if not cuda:
         env.setdefault("DS_ACCELERATOR", "cpu")
+    if not env.get("OMP_NUM_THREADS"):
+        threads = 1 if deepspeed and not cuda else threads_per_process(usable_cpus(), processes)
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -125,4 +132,5 @@ def launch(plan: LaunchPlan, train_args: list[str]) -> int:
     from sfttool.engine.hooks.preemption_hook import run_forwarding_sigterm
 
     # SIGTERM here reaches the workers (via torchrun), which checkpoint and stop.
-    return run_forwarding_sigterm(torchrun_command(plan, train_args), worker_env())
+    return run_forwarding_sigterm(torchrun_command(plan, train_args),
+                                  worker_env(plan.nproc_per_node, deepspeed="--deepspeed" in train_args))

@@ -128,8 +128,9 @@ def model_cfg_for_device(model_cfg: Any, on_gpu: bool) -> tuple[Any, str | None]
     if os.environ.get(CPU_HALF_PRECISION_ENV) == "1":
         return model_cfg, (f"no GPU: training in {dtype} as the config asks ({CPU_HALF_PRECISION_ENV}=1); "
                            "float32 is about 2x faster on CPU")
-    return model_cfg_in(model_cfg, "float32"), (f"no GPU: the model is loaded in float32, not the config's {dtype} (about 2x faster on "
-                     f"CPU); the export is saved in {dtype}. Set {CPU_HALF_PRECISION_ENV}=1 to train in {dtype}")
+    return model_cfg_in(model_cfg, "float32"), (
+        f"no GPU: the model is loaded in float32, not the config's {dtype} (about 2x faster on CPU); the export "
+        f"is saved in {dtype}. Set {CPU_HALF_PRECISION_ENV}=1 to train in {dtype}")
 
 
 def model_cfg_in(model_cfg: Any, dtype: str | None) -> Any:

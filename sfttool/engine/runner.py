@@ -21,6 +21,19 @@ With sequence parallelism (``sfttool.parallel``) the ``sp`` ranks of a group
 read the same rows, each computing the loss of its slice: the summed count holds
 every row ``sp`` times, so ``global_count`` is that sum divided by ``sp``, and the
 gradient is still ``sum(per-token loss) / global_count``.
+
+What a run shows: a micro-batch's backward loss is its share of the step's loss,
+not a loss. Each micro-batch also returns *step metrics* (``sfttool.model.step_metrics``):
+for every value to show (the loss; a preference model's rewards, margins and
+accuracies; an RL model's rewards or KL), its sum and its count over the
+micro-batch. The loop adds them over the optimizer step's micro-batches, sums
+them over the processes (one all-reduce per step) and divides: the step's loss
+is ``sum(per-token loss) / global_count``, exactly what one batch holding the
+whole step would report. The hooks get these values as ``outputs`` at the step's
+last micro-batch (``RuntimeInfoHook`` puts them in the message hub as
+``train/<name>``: the log, scalars.json, the trackers, the progress line and the
+plot read them there) and an empty ``outputs`` at the other micro-batches. A run
+that stops inside a step (``--dry-run``) shows the micro-batches it ran.
 """
 from __future__ import annotations
 
@@ -35,6 +48,7 @@ from mmengine.runner import IterBasedTrainLoop
 
 from sfttool.dataset.errors import DatasetError
 from sfttool.engine.checkpoint import restore_rng_state
+from sfttool.model.step_metrics import StepAccumulator
 from sfttool.registry import BUILDER
 
 
@@ -135,6 +149,15 @@ class _ResumableBatches:
         return message + ": a resume lands on the exact batch only when they agree"
 
 
+def iterations_per_step(optim_wrapper: Any, model: Any) -> int:
+    """Micro-batches per optimizer step: DeepSpeed's ``gradient_accumulation_steps``, else the optimizer
+    wrapper's ``accumulative_counts``."""
+    gas = getattr(deepspeed_engine(model), "gradient_accumulation_steps", None)
+    if callable(gas):
+        return int(gas())
+    return int(getattr(optim_wrapper, "_accumulative_counts", 1))
+
+
 def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: int) -> tuple[int, int]:
     """``(micro-batches left in the optimizer step containing iteration it,
     loss_factor the wrapper divides their losses by)``.
@@ -147,11 +170,9 @@ def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: in
     >>> optimizer_step_window(OptimWrapper(opt, accumulative_counts=4), model, 8, 10)
     (2, 2)
     """
-    gas = getattr(deepspeed_engine(model), "gradient_accumulation_steps", None)
-    if callable(gas):
-        accum = int(gas())
+    accum = iterations_per_step(optim_wrapper, model)
+    if deepspeed_engine(model) is not None:
         return min(accum - it % accum, max_iters - it), accum
-    accum = int(getattr(optim_wrapper, "_accumulative_counts", 1))
     if accum == 1:
         return 1, 1
     remainder = max_iters % accum
@@ -188,6 +209,13 @@ def forget_timings(runner: Any) -> None:
             hook.t = time.time()
 
 
+def planned_end(runner: Any) -> int:
+    """The iteration this run ends after: the loop's end, or where a hook with ``stop_at``
+    (``--max-steps``, ``--dry-run``) stops it."""
+    stops = [h.stop_at for h in runner.hooks if getattr(h, "stop_at", None) is not None]
+    return min([runner.max_iters, *stops])
+
+
 @BUILDER.register_module()
 class TrainLoop(IterBasedTrainLoop):
     """XTuner-compatible train loop: give ``max_epochs`` or ``max_iters``.
@@ -210,6 +238,7 @@ class TrainLoop(IterBasedTrainLoop):
         super().__init__(runner, dataloader, max_iters=int(max_iters), **kwargs)
         self._max_epochs = max_epochs if max_epochs is not None else math.ceil(max_iters / len(self.dataloader))
         self._pending: list = []  # micro-batches of the current optimizer step, looked ahead
+        self._step_metrics = StepAccumulator()  # the current step's sums and counts
 
     @property
     def iters_per_epoch(self) -> int:
@@ -242,6 +271,16 @@ class TrainLoop(IterBasedTrainLoop):
         self.runner.call_hook("after_train_epoch")
         self.runner.call_hook("after_train")
         return self.runner.model
+
+    def run_iter(self, data_batch) -> None:
+        """mmengine's iteration, with what it shows summed up per optimizer step (module docstring)."""
+        self.runner.call_hook("before_train_iter", batch_idx=self._iter, data_batch=data_batch)
+        outputs = self.runner.model.train_step(data_batch, optim_wrapper=self.runner.optim_wrapper)
+        self._step_metrics.add(outputs)
+        step_ends = not self._pending or self._iter + 1 >= planned_end(self.runner)
+        shown = self._step_metrics.reduce() if step_ends else {}
+        self.runner.call_hook("after_train_iter", batch_idx=self._iter, data_batch=data_batch, outputs=shown)
+        self._iter += 1
 
     def _next_batch(self) -> dict:
         """The next micro-batch, with the step-wide ``loss_normalizer`` set."""

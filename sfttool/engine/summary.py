@@ -2,10 +2,10 @@
 where the outputs go. Printed on rank 0 before the first iteration and kept in
 the run's log file; with ``--verbose`` the full config and hook table follow it.
 
-    Training ./models/smollm2 with LoRA (r=8) in float32 on CPU: 0.92 M of 135.4 M parameters trained
-    (0.68 %). Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step (batch 1 x 16
-    accumulation x 1 process). 57 iterations = 4 optimizer steps = 1 epoch. Outputs in ./work_dirs/demo
-    (checkpoints, log, config); the adapter goes to ./work_dirs/demo/hf_adapter.
+    Training ./models/smollm2 with LoRA (r=8) in float32 on CPU (2 threads): 0.92 M of 135.4 M
+    parameters trained (0.68 %). Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step
+    (batch 1 x 16 accumulation x 1 process). 57 iterations = 4 optimizer steps = 1 epoch. Outputs in
+    ./work_dirs/demo (checkpoints, log, config); the adapter goes to ./work_dirs/demo/hf_adapter.
 """
 from __future__ import annotations
 
@@ -62,6 +62,36 @@ def model_source(cfg: Any, model: Any) -> str:
     return str(loaded) if loaded else "the model"
 
 
+def plural(count: int | float, noun: str, text: str | None = None) -> str:
+    """``plural(1, 'step')`` -> ``'1 step'``, ``plural(1200, 'step')`` -> ``'1,200 steps'``."""
+    shown = text if text is not None else f"{count:,}"
+    return f"{shown} {noun}{'' if count == 1 else 's'}"
+
+
+def for_people(value: float) -> str:
+    """One decimal; two significant digits below 0.05, so a short run is not 0.
+
+    >>> [for_people(v) for v in (3.0, 0.0952381, 2.46, 0.0125)]
+    ['3', '0.1', '2.5', '0.013']
+    """
+    return f"{round(value, 1):g}" if round(value, 1) else f"{value:.2g}"
+
+
+def run_length(iterations: int, full: int, accum: int, per_epoch: int) -> str:
+    """``57 iterations = 4 optimizer steps = 3 epochs``: the steps this run takes (the full run's last
+    may be short; a run stopped early takes only its whole ones).
+
+    >>> run_length(1, 168, 16, 84)
+    '1 iteration = 0 optimizer steps (16 iterations make one) = 0.012 epochs'
+    """
+    steps = -(-iterations // accum) if iterations >= full else iterations // accum
+    text = f"{plural(iterations, 'iteration')} = {plural(steps, 'optimizer step')}"
+    if steps == 0:
+        text += f" ({accum} iterations make one)"
+    epochs = iterations / per_epoch
+    return f"{text} = {plural(epochs, 'epoch', for_people(epochs))}"
+
+
 def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
     import torch
 
@@ -69,7 +99,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
 
     source = model_source(cfg, model)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "?")
-    device = "GPU" if torch.cuda.is_available() else "CPU"
+    device = "GPU" if torch.cuda.is_available() else f"CPU ({plural(torch.get_num_threads(), 'thread')})"
     trained, total = count_parameters(model)
     batch, accum, world_size = spec.batch_size, spec.accumulation, spec.world_size
     rows, tokens = len(dataset), dataset_tokens(dataset)
@@ -87,9 +117,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
         per_step = tokens / rows * batch * accum * groups
         data += (f", {tokens:,} tokens; about {per_step:,.0f} tokens per optimizer step "
                  f"(batch {batch} x {accum} accumulation x {processes})")
-    epochs = iterations / per_epoch
-    steps = (f"{iterations:,} iterations = {-(-iterations // accum):,} optimizer steps = {epochs:g} "
-             f"epoch{'' if epochs == 1 else 's'}")
+    steps = run_length(iterations, full, accum, per_epoch)
     if iterations < full:
         steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if spec.dry_run else " (--max-steps)")
     outputs = (f"Dry run: nothing is saved (checked {spec.work_dir})" if spec.dry_run else

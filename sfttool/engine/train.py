@@ -30,6 +30,7 @@ from sfttool.dataset.resolve import skip_bad_rows_in
 from sfttool.engine import checks, preflight
 from sfttool.engine.assemble import build_runner, replay_setup_log, setup_log
 from sfttool.engine.checkpoint import check_checkpoint_fits, ignore_frozen_weights_on_load
+from sfttool.engine.cpu_threads import choose_cpu_threads
 from sfttool.engine.export import save_hf
 from sfttool.engine.hooks.preemption_hook import TrainingPreempted, signal_handlers_restored
 from sfttool.engine.processes import (build_dataset_rank0_first, close_process_group, init_distributed,
@@ -90,8 +91,7 @@ def prepare(config: str, options: TrainOptions) -> tuple[Any, RunSpec]:
     if not checks.checked_by_launcher():
         checks.report(checks.run_checks(cfg, options, world_size_from_env()))
     compat.apply_training()  # imports deepspeed (seconds): only once the config is known to be good
-    if options.deepspeed:
-        compat.limit_cpu_threads()
+    choose_cpu_threads(options.deepspeed is not None)
     if options.seed is not None:
         preflight.apply_seed(cfg, options.seed)
     return cfg, build_spec(cfg, options, world_size_from_env())

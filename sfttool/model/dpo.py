@@ -18,6 +18,7 @@ from sfttool.model import preference_precompute as pre
 from sfttool.model.build import build_llm
 from sfttool.model.preference import PairwiseModel, check_args
 from sfttool.model.preference_precompute import REF_COLUMN
+from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER, ConfigBuildError
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,9 @@ class DPO(PairwiseModel):
         chosen, rejected = logps["policy_chosen"], logps["policy_rejected"]
         if logps["ref_chosen"] is not None:
             chosen, rejected = chosen - logps["ref_chosen"], rejected - logps["ref_rejected"]
-        return {"loss": self.normalize(losses.sum(), data), **P.reward_logs(self.beta * chosen, self.beta * rejected)}
+        return {"loss": self.normalize(losses.sum(), data),
+                **step_metrics(loss=(losses.sum(), losses.numel()),
+                               **P.reward_metrics(self.beta * chosen, self.beta * rejected))}
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """SFT's state dict without the frozen reference (rebuilt from its source at start)."""

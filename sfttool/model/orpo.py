@@ -5,6 +5,7 @@ import torch
 
 from sfttool.model import preference_loss as P
 from sfttool.model.preference import PairwiseModel, check_args
+from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER
 
 
@@ -13,7 +14,8 @@ class ORPO(PairwiseModel):
     """Odds-ratio preference optimisation: NLL of the chosen answer minus ``beta`` times the log-sigmoid of
     the log odds ratio, both from length-averaged log-probs; no reference model.
 
-    The NLL term is each chosen answer's mean token loss, averaged over pairs.
+    The NLL term is each chosen answer's mean token loss, averaged over pairs; it is shown as ``nll``
+    beside the loss, the rewards and the mean ``log_odds_ratio``.
     """
 
     def __init__(self, llm, beta=0.1, **sft_args):
@@ -27,6 +29,8 @@ class ORPO(PairwiseModel):
         chosen, rejected = means[0::2], means[1::2]
         log_odds = P.orpo_log_odds(chosen, rejected)
         losses = -chosen - self.beta * torch.nn.functional.logsigmoid(log_odds)  # [pairs]
-        logs = P.reward_logs(self.beta * chosen, self.beta * rejected)
-        logs.update({"nll": -chosen.detach().mean(), "log_odds_ratio": log_odds.detach().mean()})
-        return {"loss": self.normalize(losses.sum(), data), **logs}
+        pairs = losses.numel()
+        return {"loss": self.normalize(losses.sum(), data),
+                **step_metrics(loss=(losses.sum(), pairs), nll=(-chosen.sum(), pairs),
+                               log_odds_ratio=(log_odds.sum(), pairs),
+                               **P.reward_metrics(self.beta * chosen, self.beta * rejected))}

@@ -9,7 +9,9 @@ numbers each token's sequence, ``2k`` chosen and ``2k + 1`` rejected.
 The loss of a micro-batch is the sum of its pairs' losses divided by the
 step's pair count (the train loop's ``loss_normalizer``, from
 ``count_loss_units``), so the gradient of a step is the mean over its pairs
-whatever the micro-batch split. The rewards are logged beside the loss.
+whatever the micro-batch split. The loss, rewards, margins and accuracies are also returned as
+sums over the micro-batch's pairs with the pair count (``sfttool.model.step_metrics``), so what a
+run shows for a step is the mean over all of its pairs, as one batch would give.
 """
 from __future__ import annotations
 

@@ -101,8 +101,11 @@ def orpo_log_odds(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> tor
                                             - torch.log(-torch.expm1(rejected_mean)))
 
 
-def reward_logs(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The scalars logged beside the loss (micro-batch means, detached)."""
+def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, tuple]:
+    """The rewards shown beside the loss, each as ``(sum over the micro-batch's pairs, pairs)``
+    (``sfttool.model.step_metrics``): the step shows their means over all of its pairs."""
     chosen, rejected = chosen_rewards.detach(), rejected_rewards.detach()
-    return {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
-            "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).float().mean()}
+    pairs = chosen.numel()
+    return {"rewards/chosen": (chosen.sum(), pairs), "rewards/rejected": (rejected.sum(), pairs),
+            "rewards/margins": ((chosen - rejected).sum(), pairs),
+            "rewards/accuracies": ((chosen > rejected).sum(), pairs)}

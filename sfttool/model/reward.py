@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from sfttool.model.lora import build_lora_config
 from sfttool.model.loss import default_position_ids
 from sfttool.model.preference import PairwiseModel
+from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER, ConfigBuildError
 
 PENALTIES = (None, "log_barrier", "L2")
@@ -101,9 +102,11 @@ class RewardModel(PairwiseModel):
         chosen, rejected = scores[0::2], scores[1::2]
         penalty = (score_penalty(chosen, self.penalty_type) + score_penalty(rejected, self.penalty_type)) / 2
         losses = -F.logsigmoid(chosen - rejected) + self.penalty_weight * penalty  # [pairs]
-        c, r = chosen.detach(), rejected.detach()
-        return {"loss": self.normalize(losses.sum(), data), "accuracy": (c > r).float().mean(),
-                "scores/chosen": c.mean(), "scores/rejected": r.mean(), "scores/margins": (c - r).mean()}
+        c, r, pairs = chosen.detach(), rejected.detach(), losses.numel()
+        return {"loss": self.normalize(losses.sum(), data),
+                **step_metrics(loss=(losses.sum(), pairs), accuracy=((c > r).sum(), pairs),
+                               **{"scores/chosen": (c.sum(), pairs), "scores/rejected": (r.sum(), pairs),
+                                  "scores/margins": ((c - r).sum(), pairs)})}
 
 
 def _sequence_classification_lora(lora: Any) -> Any:

@@ -31,6 +31,7 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
+from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
@@ -289,12 +290,15 @@ class SupervisedFinetune(BaseModel):
             hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
             weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
             total = self._head_loss(parts, hidden, targets[keep], weights)
-        return {"loss": self.normalize(total, data)}
+        return {"loss": self.normalize(total, data), **step_metrics(loss=(total, self._loss_units(keep, position_ids)))}
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's
         last position predicts the next slice's first token); the returned value is the whole rows'
         loss on every rank, while each rank's gradient is its own slice's (see ``sfttool.parallel.comm``)."""
+        # `total` below is the group's mean of its ranks' slice losses, the rows' summed loss / sp: a
+        # rank's share of it, shown beside the same share of the rows' loss units.
+        units = self._loss_units(keep, position_ids) / split.size
         weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] over the whole rows
         targets = split.local(targets, L.IGNORE_INDEX)  # [batch, seq/sp]
         weights = None if weights is None else split.local(keep.float().masked_scatter(keep, weights), 0.0)
@@ -310,7 +314,23 @@ class SupervisedFinetune(BaseModel):
             total = self._head_loss(parts, self._hidden_states(parts.decoder, data, split)[keep], targets[keep],
                                     weights)
         total = sequence_parallel.reduce_sequence_parallel_loss(total, split.group)
-        return {"loss": self.normalize(total, data, ranks_sharing_rows=split.size)}
+        return {"loss": self.normalize(total, data, ranks_sharing_rows=split.size), **step_metrics(loss=(total, units))}
+
+    def _loss_units(self, keep: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | int:
+        """The micro-batch's loss units (``count_loss_units``) from its trained positions ``keep``
+        [batch, seq]: a tensor for tokens (no synchronisation with the device)."""
+        if self.loss_reduction == "token":
+            return keep.sum()
+        return int(L.sample_ids(position_ids)[keep].unique().numel())
+
+    def parse_losses(self, losses: dict) -> tuple[torch.Tensor, dict]:
+        """mmengine's, with the step metrics (``sfttool.model.step_metrics``) handed through to the
+        train loop beside the logged values."""
+        losses, metrics = split_step_metrics(losses)
+        loss, log_vars = super().parse_losses(losses)
+        if metrics is not None:
+            log_vars[STEP_METRICS] = metrics
+        return loss, log_vars
 
     def _unchunked_loss(self, data, targets, keep, position_ids) -> torch.Tensor:
         """The logits of every trained position at once: for models whose logits

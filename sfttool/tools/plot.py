@@ -2,12 +2,17 @@
 rate against optimizer steps.
 
 mmengine's ``LocalVisBackend`` appends one JSON line per log to
-``WORK_DIR/<timestamp>/vis_data/scalars.json``: train lines carry ``loss``, ``lr`` and ``step`` (the
-iteration), validation lines ``val/loss`` and ``step``. A resumed run starts a new timestamp folder,
-so a work dir's folders are read in order and a later line for an iteration replaces an earlier
-one. A line still being written (a running run) is skipped::
+``WORK_DIR/<timestamp>/vis_data/scalars.json``: train lines carry ``loss`` (the logged optimizer step's
+loss, see ``sfttool.engine.runner``), ``lr`` and ``step`` (the iteration that ended the step),
+validation lines ``val/loss`` and ``step``. Iteration ``i`` belongs to optimizer step
+``ceil(i / accumulative_counts)``. A resumed run starts a new timestamp folder, so a work dir's folders
+are read in order and a later line for a step replaces an earlier one. A line still being written (a
+running run) is skipped::
 
     plot_runs(['work_dirs/a', 'work_dirs/b'], 'compare.png')   # one legend entry per run
+
+The smoothed line is a trailing mean: each point is the mean of the last ``window`` logged losses up
+to it (fewer at the start), so it never sits above all of them; the legend gives the window.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from pathlib import Path
 from sfttool.errors import SfttoolError
 
 SCALARS = "scalars.json"
-SMOOTHING = 0.9  # TensorBoard-style exponential moving average weight
+MAX_WINDOW = 25  # the longest smoothing window, in logged points
 
 
 class PlotError(SfttoolError, ValueError):
@@ -31,10 +36,9 @@ class PlotError(SfttoolError, ValueError):
 class RunCurves:
     """One run's curves, x in optimizer steps."""
     name: str
-    steps_per_iteration: float = 1.0
-    train: dict[float, float] = field(default_factory=dict)  # step -> loss
-    lr: dict[float, float] = field(default_factory=dict)
-    val: dict[float, float] = field(default_factory=dict)
+    train: dict[int, float] = field(default_factory=dict)  # step -> loss
+    lr: dict[int, float] = field(default_factory=dict)
+    val: dict[int, float] = field(default_factory=dict)
 
 
 def scalar_files(path: str | Path) -> list[Path]:
@@ -61,13 +65,12 @@ def read_run(path: str | Path, name: str | None = None) -> RunCurves:
     files = scalar_files(path)
     run = RunCurves(name or Path(path).resolve().name)
     for file in files:
-        per_step = 1 / accumulation(file)
-        run.steps_per_iteration = per_step
+        per_step = accumulation(file)
         for record in _records(file):
             step = record.get("step")
             if not isinstance(step, (int, float)):
                 continue
-            x = step * per_step
+            x = math.ceil(step / per_step)  # the optimizer step the iteration belongs to
             for key, curve in (("loss", run.train), ("lr", run.lr), ("val/loss", run.val)):
                 value = record.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -83,18 +86,18 @@ def _records(file: Path):
             continue
 
 
-def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
-    """Debiased exponential moving average (TensorBoard's), so the first points are not pulled to 0.
+def smoothing_window(points: int) -> int:
+    """Logged points per smoothed point: a fifth of the curve, 1 (no smoothing) to ``MAX_WINDOW``."""
+    return max(1, min(MAX_WINDOW, points // 5))
 
-    >>> smooth([1.0, 1.0, 1.0])
-    [1.0, 1.0, 1.0]
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean: each value's mean with the ``window - 1`` before it (fewer at the start).
+
+    >>> smooth([4.0, 2.0, 3.0, 1.0], window=2)
+    [4.0, 3.0, 2.5, 2.0]
     """
-    out, last, debias = [], 0.0, 1.0
-    for value in values:
-        last = weight * last + (1 - weight) * value
-        debias *= weight
-        out.append(last / (1 - debias))
-    return out
+    return [sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
 def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | None = None):
@@ -105,16 +108,24 @@ def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | No
 
     runs = [read_run(p, names[i] if names else None) for i, p in enumerate(paths)]
     fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    smoothed = False
     for i, run in enumerate(runs):
         color = f"C{i}"
         steps, losses = sorted(run.train), [run.train[s] for s in sorted(run.train)]
-        loss_ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
-        loss_ax.plot(steps, smooth(losses), color=color, linewidth=2, label=run.name)
+        window = smoothing_window(len(losses))
+        if window > 1:
+            smoothed = True
+            loss_ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
+            loss_ax.plot(steps, smooth(losses, window), color=color, linewidth=2,
+                         label=f"{run.name} (mean of the last {window} logged steps)")
+        else:  # too few points to smooth
+            loss_ax.plot(steps, losses, color=color, linewidth=2, label=run.name)
         if run.val:
             val_steps = sorted(run.val)
             loss_ax.plot(val_steps, [run.val[s] for s in val_steps], color=color, linestyle="--", marker="o")
         lr_ax.plot(sorted(run.lr), [run.lr[s] for s in sorted(run.lr)], color=color)
-    loss_ax.set_title("loss (thin: train, thick: train smoothed, dashed with dots: validation)")
+    train = "thin: train, thick: its trailing mean" if smoothed else "train"
+    loss_ax.set_title(f"loss per optimizer step ({train}, dashed with dots: validation)")
     loss_ax.set_ylabel("loss")
     loss_ax.legend()
     lr_ax.set_ylabel("learning rate")

@@ -282,19 +282,19 @@ def _progress(line: str) -> bool:
 
 @pytest.mark.slow
 def test_the_terminal_shows_the_summary_and_progress_and_the_log_file_the_rest(tmp_path, tiny_cfg):
-    """A run of 8 iterations with the logger's interval 10: progress from the first iteration, the
-    interval capped so the loss is logged, the config dump and hook table only in the log file, no
-    library noise, under 60 lines apart from progress."""
+    """A run of 8 iterations (2 per optimizer step) with the logger's interval 10: progress from the
+    first optimizer step, the interval capped so the loss is logged, the config dump and hook table only
+    in the log file, no library noise, under 60 lines apart from progress."""
     from engine_helpers import logged
     work = tmp_path / "work"
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work),
                                       "--cfg-options", "default_hooks.logger.interval=10"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert [line.split(" | ")[0] for line in lines if _progress(line)] == ["iter 1/8  12%", "iter 8/8 100%"]
+    assert [line.split(" | ")[0] for line in lines if _progress(line)] == ["iter 2/8  25%", "iter 8/8 100%"]
     assert len([line for line in lines if not _progress(line)]) < 60
     summary = next(line for line in lines if line.startswith("[sfttool] Training "))
-    assert " with LoRA (r=8) in float32 on CPU: " in summary and " parameters trained (" in summary
+    assert " with LoRA (r=8) in float32 on CPU (1 thread): " in summary and " parameters trained (" in summary
     assert "Data: 40 rows, " in summary and "(batch 1 x 2 accumulation x 1 process)" in summary
     assert f"8 iterations = 4 optimizer steps = 0.2 epochs. Outputs in {work} " in summary
     assert summary.endswith(f"the adapter goes to {work / 'hf_adapter'}.")
@@ -311,7 +311,11 @@ def test_dry_run_runs_one_iteration_and_leaves_no_work_dir_behind(tmp_path, tiny
     work = tmp_path / "work" / "run"
     result = CliRunner().invoke(cli, ["train", str(tiny_cfg), "--work-dir", str(work), "--dry-run", "--verbose"])
     assert result.exit_code == 0, result.output
-    assert [line.split(" | ")[0] for line in result.output.splitlines() if _progress(line)] == ["iter 1/1 100%"]
+    (progress,) = [line for line in result.output.splitlines() if _progress(line)]
+    # One micro-batch of a 2-iteration step: no optimizer step is taken, its own loss is shown.
+    assert progress.startswith("iter 1/1 100% | step 1/1 | loss ")
+    assert "1 iteration = 0 optimizer steps (2 iterations make one) = 0.025 epochs of the run's 8 iterations " \
+           "(--dry-run)" in result.output
     assert "Hooks will be executed in the following order" in result.output  # --verbose
     assert result.output.rstrip().endswith("Dry run finished: the config, data and one training step work")
     assert list(tmp_path.iterdir()) == [tiny_cfg]  # neither the work dir nor the folder above it, both made by it

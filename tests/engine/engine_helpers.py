@@ -161,7 +161,7 @@ class DumpWeightsHook(Hook):
 
 
 def logged(work_dir, key: str = "loss") -> list[float]:
-    """Values of ``key`` per logged iteration, from the newest run's ``vis_data/scalars.json``."""
+    """Values of ``key`` per logged optimizer step, from the newest run's ``vis_data/scalars.json``."""
     import json
     from pathlib import Path
 
@@ -222,3 +222,50 @@ class DtypeProbe(Hook):
 
         param = next(unwrap_model(runner.model).llm.parameters())
         Path(runner.work_dir, "trained_dtype.txt").write_text(str(param.dtype))
+
+
+class RecordBatches(Hook):
+    """Write ``work_dir/batches_rank<r>.pt``: every micro-batch this rank trained on, in order
+    (``input_ids``, ``labels``, ``position_ids``)."""
+
+    priority = "LOWEST"
+
+    def before_train(self, runner):
+        self.batches = []
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        data = data_batch["data"]
+        self.batches.append({k: data[k].clone() for k in ("input_ids", "labels", "position_ids")})
+
+    def after_train(self, runner):
+        from mmengine.dist import get_rank
+
+        torch.save(self.batches, os.path.join(runner.work_dir, f"batches_rank{get_rank()}.pt"))
+
+
+def samples_of(batch: dict) -> list[dict]:
+    """The samples of a collated micro-batch (``position_ids`` restart at 0 at each), without the
+    padding pseudo-samples (nothing trained): ``[{input_ids, labels}]`` as lists."""
+    samples = []
+    for ids, labels, positions in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),
+                                      batch["position_ids"].tolist()):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        for a, b in zip(starts, starts[1:]):
+            if any(label != -100 for label in labels[a + 1:b]):
+                samples.append({"input_ids": ids[a:b], "labels": labels[a:b]})
+    return samples
+
+
+def transformers_loss(model_dir, samples: list[dict]) -> float:
+    """transformers' own loss (the mean over every trained token) on one right-padded batch of
+    ``samples``, unpacked: the reference for what a step of those samples logs."""
+    from transformers import AutoModelForCausalLM
+
+    llm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    width = max(len(s["input_ids"]) for s in samples)
+    pad = [width - len(s["input_ids"]) for s in samples]
+    ids = torch.tensor([s["input_ids"] + [0] * p for s, p in zip(samples, pad)])  # [batch, width]
+    labels = torch.tensor([s["labels"] + [-100] * p for s, p in zip(samples, pad)])
+    mask = torch.tensor([[1] * len(s["input_ids"]) + [0] * p for s, p in zip(samples, pad)])
+    with torch.no_grad():
+        return llm(input_ids=ids, attention_mask=mask, labels=labels).loss.item()

@@ -64,8 +64,8 @@ def test_two_processes_train_in_lockstep(two_rank_run, deepspeed):
     for k in rank0:
         assert torch.equal(rank0[k], rank1[k]), k
     losses = logged(work)
-    assert len(losses) == 20
-    assert mean(losses[-5:]) < mean(losses[:5]) - 0.1
+    assert len(losses) == 10  # 20 iterations per rank: one loss per optimizer step of 2
+    assert mean(losses[-3:]) < mean(losses[:3]) - 0.1
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
     assert (work / "iter_20.pth").exists()
 
@@ -141,7 +141,7 @@ def test_two_simulated_nodes_with_sequence_parallelism_train_like_one_process(
             assert sorted(p.name for p in nodes.glob("iter_*")) == ["iter_4.pth"]
     assert sorted(p.name for p in nodes.glob("iter_*")) == ["iter_10.pth", "iter_8.pth"]  # the newest 2 kept
     single = train(str(whole), work_dir=str(tmp_path / "one"))
-    resumed_at = 4 if deepspeed else 0
+    resumed_at = 2 if deepspeed else 0  # optimizer steps (one logged loss each)
     assert logged(nodes) == pytest.approx(logged(single)[resumed_at:], rel=1e-5)
     a = load_file(nodes / "hf_adapter" / "adapter_model.safetensors")
     b = load_file(single / "hf_adapter" / "adapter_model.safetensors")

@@ -2,7 +2,6 @@
 stand-in runner, and in short training runs."""
 from __future__ import annotations
 
-import io
 import json
 import logging
 from pathlib import Path
@@ -172,6 +171,32 @@ def test_generates_once_per_iteration(tmp_path, tiny_tokenizer, monkeypatch, max
     assert generated == expected
 
 
+def test_the_terminal_shows_the_answers_before_and_after_training_and_where_they_are(tmp_path, tiny_tokenizer,
+                                                                                       monkeypatch, capsys):
+    """The README promises generations before and after training; the terminal (INFO hidden) showed none."""
+    from sfttool import compat
+
+    monkeypatch.setattr(compat, "console_is_verbose", lambda: False)
+    hook = EvaluateChatHook(tiny_tokenizer, ["Who are you?", "2+2?"])
+    answers = iter(["I am a model.", "5", "I'm Quill,\n made by\tLarkspur Labs.", "4"])
+    monkeypatch.setattr(hook, "_answer", lambda model, runner, text, iteration: {
+        "iter": iteration, "input": text, "prompt": text, "output": next(answers)})
+    runner = fake_runner(torch.nn.Linear(2, 2), tmp_path)
+    hook.before_train(runner)
+    runner.iter = 12
+    capsys.readouterr()
+    hook.after_train(runner)
+    assert capsys.readouterr().out == (
+        f"Sample answers (all of them in {tmp_path}/eval_outputs/):\n"
+        "  Who are you?\n    iter 0:  I am a model.\n    iter 12: I'm Quill, made by Larkspur Labs.\n"
+        "  2+2?\n    iter 0:  5\n    iter 12: 4\n")
+    assert sorted(p.name for p in (tmp_path / "eval_outputs").iterdir()) == ["iter_0.jsonl", "iter_12.jsonl"]
+    from sfttool.engine.hooks.evaluate_chat_hook import answers_text
+
+    long = answers_text([], [{"iter": 3, "input": "Q", "output": "word " * 60}], "w")
+    assert long.splitlines()[-1] == "    iter 3: " + ("word " * 40).rstrip() + " [...]"  # 200 characters shown
+
+
 # -- ThroughputHook: parameters counted, values logged -----------------------------
 
 
@@ -259,71 +284,6 @@ def test_zero3_counts_the_whole_model(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, 
     assert zero3["params"] == plain["params"] > 0
 
 
-# -- ProgressHook -------------------------------------------------------------------
-
-
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool):
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
-def _progress_run(tty: bool, max_iters: int, interval: int, stop_at: int | None = None) -> str:
-    from mmengine.logging import MessageHub
-
-    from sfttool.engine.hooks.progress_hook import ProgressHook
-
-    stream = _Stream(tty)
-    hook = ProgressHook(interval=interval, stream=stream)
-    hub = MessageHub.get_instance(f"progress_{tty}_{max_iters}_{interval}_{stop_at}")
-    stops = [SimpleNamespace(stop_at=stop_at)] if stop_at else []
-    runner = SimpleNamespace(iter=0, max_iters=max_iters, message_hub=hub, hooks=[hook, *stops])
-    hook.before_train(runner)
-    for runner.iter in range(min(max_iters, stop_at or max_iters)):
-        hook.before_train_iter(runner, runner.iter)
-        hub.update_scalar("train/loss", 2.0 - runner.iter / 10)
-        hub.update_scalar("train/lr", 1e-4)
-        hook.after_train_iter(runner, runner.iter, {"data": {"input_ids": torch.zeros(1, 16)}})
-    runner.iter += 1  # as the loop leaves it
-    hook.after_train(runner)
-    return stream.getvalue()
-
-
-def test_progress_without_a_terminal_is_plain_lines_from_the_first_iteration():
-    lines = _progress_run(tty=False, max_iters=25, interval=10).splitlines()
-    assert [line.split(" | ")[:2] for line in lines] == [["iter 1/25   4%", "loss 2.0000"],
-                                                          ["iter 10/25  40%", "loss 1.1000"],
-                                                          ["iter 20/25  80%", "loss 0.1000"],
-                                                          ["iter 25/25 100%", "loss -0.4000"]]
-    assert all(" | lr 1.0e-04 | " in line and " tok/s | ETA " in line for line in lines)
-    assert lines[-1].endswith("ETA 0:00:00")
-
-
-def test_progress_on_a_terminal_is_one_bar_redrawn_in_place():
-    out = _progress_run(tty=True, max_iters=4, interval=10)
-    frames = out.split("\r")[1:]
-    assert [frame.split(" | ")[0] for frame in frames] == [
-        "iter 1/4 [######------------------]  25%", "iter 2/4 [############------------]  50%",
-        "iter 3/4 [##################------]  75%", "iter 4/4 [########################] 100%"]
-    assert out.endswith("\n") and out.count("\n") == 1
-
-
-def test_progress_counts_to_where_max_steps_stops_the_run():
-    lines = _progress_run(tty=False, max_iters=100, interval=10, stop_at=4).splitlines()
-    assert [line.split(" | ")[0] for line in lines] == ["iter 1/4  25%", "iter 4/4 100%"]
-
-
-def test_progress_line_format():
-    from sfttool.engine.hooks.progress_hook import format_eta, progress_line
-
-    assert progress_line(12, 80, 2.31412, 1.2e-4, 312.4, 250, bar=False) == \
-        "iter 12/80  15% | loss 2.3141 | lr 1.2e-04 | 312 tok/s | ETA 0:04:10"
-    assert format_eta(4210.2) == "1:10:10"
-
-
 def test_hooks_are_built_through_sfttools_build_with_mmengines_priority_key():
     from mmengine.hooks import LoggerHook
 
@@ -335,18 +295,3 @@ def test_hooks_are_built_through_sfttools_build_with_mmengines_priority_key():
     with pytest.raises(ConfigBuildError, match=r"^default_hooks\.logger: building LoggerHook failed: .*'intervl'"):
         _build_hook(dict(type=LoggerHook, intervl=3), "default_hooks.logger")
     assert _build_hook(dict(type="IterTimerHook"), "default_hooks.timer") == dict(type="IterTimerHook")
-
-
-@pytest.mark.parametrize("tty", [False, True])
-def test_each_validation_is_one_line_under_the_progress(tty):
-    from mmengine.logging import MessageHub
-
-    from sfttool.engine.hooks.progress_hook import ProgressHook
-
-    stream = _Stream(tty)
-    hook = ProgressHook(interval=10, stream=stream)
-    runner = SimpleNamespace(iter=10, max_iters=20, message_hub=MessageHub.get_instance(f"val_{tty}"), hooks=[hook])
-    hook.after_val_epoch(runner, {"val/loss": 0.56981, "val/ppl": 1.76801})
-    hook.after_val_epoch(runner, {"accuracy": 1.0})  # another metric: nothing to say here
-    # On a terminal the bar's line is open: the validation starts a new line and the bar redraws below.
-    assert stream.getvalue() == ("\n" if tty else "") + "validation at iter 10: val/loss 0.5698 (ppl 1.77)\n"

@@ -47,3 +47,35 @@ def test_tokens_per_step_count_each_sequence_parallel_row_once(tmp_path, tiny_qw
     split = summary_text(cfg, model, rows, build_spec(cfg, options, world_size=4))
     assert ("about 1,200 tokens per optimizer step (batch 1 x 3 accumulation x 2 data-parallel groups of 2 "
             "sequence-parallel processes)") in split
+
+
+def test_the_run_length_counts_iterations_steps_and_epochs_as_the_run_takes_them():
+    from sfttool.engine.summary import for_people, run_length
+
+    assert run_length(57, 57, 1, 19) == "57 iterations = 57 optimizer steps = 3 epochs"
+    assert run_length(57, 57, 16, 57) == "57 iterations = 4 optimizer steps = 1 epoch"  # the last one short
+    # --max-steps 1 with accumulation 16 on 168 iterations per epoch: the summary used to say 0.0952381 epochs
+    assert run_length(16, 504, 16, 168) == "16 iterations = 1 optimizer step = 0.1 epochs"
+    # --dry-run: one micro-batch of a 16-iteration step takes no step (it used to say "= 1 optimizer steps")
+    assert run_length(1, 504, 16, 168) == "1 iteration = 0 optimizer steps (16 iterations make one) = 0.006 epochs"
+    assert [for_people(v) for v in (1.0, 2.96, 0.25, 0.04, 0.0952381)] == ["1", "3", "0.2", "0.04", "0.1"]
+
+
+def test_the_summary_says_how_many_cpu_threads_torch_runs(tmp_path, tiny_qwen2_dir):
+    import torch
+    from datasets import Dataset
+
+    from sfttool.engine.spec import TrainOptions, build_spec
+    from sfttool.engine.summary import summary_text
+
+    model = _model(tiny_qwen2_dir)
+    rows = Dataset.from_dict({"input_ids": [[1] * 10] * 4})
+    cfg = Config(dict(model=dict(llm=dict(pretrained_model_name_or_path="m")), train_dataloader=dict(batch_size=1),
+                      train_cfg=dict(max_epochs=1), optim_wrapper=dict()))
+    before = torch.get_num_threads()
+    try:
+        for threads, shown in ((1, "on CPU (1 thread): "), (2, "on CPU (2 threads): ")):
+            torch.set_num_threads(threads)
+            assert shown in summary_text(cfg, model, rows, build_spec(cfg, TrainOptions(work_dir=str(tmp_path)), world_size=1))
+    finally:
+        torch.set_num_threads(before)

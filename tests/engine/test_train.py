@@ -32,8 +32,8 @@ def lora_run(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl):
 @pytest.mark.slow
 def test_loss_falls(lora_run):
     losses = logged(lora_run)
-    assert len(losses) == 80  # 40 packed rows x 2 epochs, logged every iteration
-    assert mean(losses[-10:]) < mean(losses[:10]) - 0.2
+    assert len(losses) == 40  # 40 packed rows x 2 epochs = 80 iterations: one loss per optimizer step of 2
+    assert mean(losses[-5:]) < mean(losses[:5]) - 0.15  # each step's own loss: 6.27 at the first, ~6.0 at the end
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch
 
 from sfttool.dataset.collate_fns import preference_collate_fn
 from sfttool.model.preference_loss import DPO_LOSS_TYPES
+from sfttool.model.step_metrics import step_means
 
 RTOL = 1e-5
 
@@ -134,10 +135,11 @@ def test_chunked_log_probs_and_gradients_equal_the_unchunked_ones(tiny_llama_dir
 def test_step0_sigmoid_loss_is_ln2_and_rewards_are_zero(tiny_llama_dir, lora):
     model = make_model("DPO", tiny_llama_dir, lora=lora_cfg() if lora else None)
     out = model(batch([row_of(make_pairs(4, seed=5))]), mode="loss")
-    assert abs(out["loss"].item() - math.log(2)) < 1e-6
+    shown = step_means(out)
+    assert abs(out["loss"].item() - math.log(2)) < 1e-6 and abs(shown["loss"] - math.log(2)) < 1e-6
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-        assert abs(out[key].item()) < 1e-6, key
-    assert out["rewards/accuracies"].item() == 0.0  # no pair has chosen > rejected when all rewards are 0
+        assert abs(shown[key]) < 1e-6, key
+    assert shown["rewards/accuracies"] == 0.0  # no pair has chosen > rejected when all rewards are 0
 
 
 # --- every loss type against its formula ----------------------------------------------------------
@@ -220,9 +222,11 @@ def test_every_dpo_loss_type_equals_its_formula(loss_type, tiny_llama_dir, polic
         rc, rr = [0.0] * 6, [0.0] * 6
     chosen = [beta * (pc[i] - rc[i]) for i in range(6)]
     rejected = [beta * (pr[i] - rr[i]) for i in range(6)]
-    assert_close(out["rewards/chosen"], sum(chosen) / 6)
-    assert_close(out["rewards/margins"], (sum(chosen) - sum(rejected)) / 6)
-    assert out["rewards/accuracies"].item() == pytest.approx(sum(c > r for c, r in zip(chosen, rejected)) / 6)
+    shown = step_means(out)
+    assert_close(shown["loss"], sum(want) / len(want))
+    assert_close(shown["rewards/chosen"], sum(chosen) / 6)
+    assert_close(shown["rewards/margins"], (sum(chosen) - sum(rejected)) / 6)
+    assert shown["rewards/accuracies"] == pytest.approx(sum(c > r for c, r in zip(chosen, rejected)) / 6)
 
 
 def test_orpo_loss_equals_its_formula(policy_dir):
@@ -236,8 +240,9 @@ def test_orpo_loss_equals_its_formula(policy_dir):
         log_odds = (c - math.log(1 - math.exp(c))) - (r - math.log(1 - math.exp(r)))
         want.append(-c - beta * log_sigmoid(log_odds))
     assert_close(out["loss"], sum(want) / len(want))
-    assert_close(out["nll"], -sum(pc) / len(pc))
-    assert_close(out["rewards/rejected"], beta * sum(pr) / len(pr))
+    shown = step_means(out)
+    assert_close(shown["nll"], -sum(pc) / len(pc))
+    assert_close(shown["rewards/rejected"], beta * sum(pr) / len(pr))
 
 
 # --- packing and micro-batches ------------------------------------------------------------------------

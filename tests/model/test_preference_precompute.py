@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_preference import batch, grads_of, lora_cfg, make_model, make_pairs, perturb, row_of  # noqa: E402
 
 from sfttool.dataset.collate_fns import preference_collate_fn  # noqa: E402
+from sfttool.model.step_metrics import step_means  # noqa: E402
 
 EXACT = 1e-6
 
@@ -41,7 +42,7 @@ def step(model, rows: list[dict]) -> tuple[dict, dict]:
     model.zero_grad()
     out = model(preference_collate_fn(rows)["data"], mode="loss")
     out["loss"].backward()
-    return {k: v.item() for k, v in out.items()}, grads_of(model)
+    return {"backward loss": out["loss"].item(), **step_means(out)}, grads_of(model)
 
 
 @pytest.mark.parametrize("per_row", [1, 3], ids=["unpacked", "packed"])

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from sfttool.cli.main import cli
-from sfttool.tools.plot import PlotError, plot_runs, read_run, smooth
+from sfttool.tools.plot import PlotError, plot_runs, read_run, smooth, smoothing_window
 
 
 def write_run(folder, records, accumulative_counts=None, tail=""):
@@ -42,13 +42,20 @@ def test_read_run_gives_the_logged_values_per_optimizer_step(work_dir):
     assert run.val == {2: 2.7, 4: 2.4}
 
 
+def test_a_short_last_step_is_the_next_step(tmp_path):
+    """7 iterations with 2 per step: the last step (one iteration) is step 4, not 3.5."""
+    write_run(tmp_path / "run" / "20260101_000000", [train(2, 3.0), train(4, 2.0), train(6, 1.5), train(7, 1.0)],
+              accumulative_counts=2)
+    assert read_run(tmp_path / "run").train == {1: 3.0, 2: 2.0, 3: 1.5, 4: 1.0}
+
+
 def test_the_plot_draws_exactly_those_values(tmp_path, work_dir):
     out = tmp_path / "out" / "loss.png"
     fig = plot_runs([work_dir], out)
     loss_ax, lr_ax = fig.axes
-    raw, smoothed, val = loss_ax.lines
+    raw, val = loss_ax.lines  # 4 points: too few to smooth
     assert list(raw.get_xdata()) == [1, 2, 3, 4] and list(raw.get_ydata()) == [3.0, 2.5, 2.2, 2.0]
-    assert list(smoothed.get_ydata()) == pytest.approx(smooth([3.0, 2.5, 2.2, 2.0]))
+    assert loss_ax.get_title() == "loss per optimizer step (train, dashed with dots: validation)"
     assert list(val.get_xdata()) == [2, 4] and list(val.get_ydata()) == [2.7, 2.4]
     assert list(lr_ax.lines[0].get_ydata()) == [1e-4, 2e-4, 3e-4, 4e-4]
     assert lr_ax.get_xlabel() == "optimizer step"
@@ -63,9 +70,28 @@ def _assert_a_real_png(path):
     assert pixels.shape[:2] == (700, 900) and pixels.std() > 0.05  # drawn on, not blank
 
 
-def test_smoothing_is_debiased_and_follows_the_trend():
-    assert smooth([2.0, 2.0]) == pytest.approx([2.0, 2.0])
-    assert smooth([1.0, 0.0], weight=0.5) == pytest.approx([1.0, 1 / 3])
+def test_the_smoothed_line_is_a_trailing_mean_within_its_points(tmp_path):
+    """Each smoothed point is the mean of the last `window` logged losses up to it, so it never sits above
+    (or below) all of them; the legend gives the window. The exponential average drawn before lagged a
+    falling curve from above."""
+    import random
+
+    rng = random.Random(0)
+    losses = [3.0 * 0.97 ** i + rng.uniform(-0.3, 0.3) for i in range(120)]
+    window = smoothing_window(len(losses))
+    assert window == 24
+    smoothed = smooth(losses, window)
+    for i, value in enumerate(smoothed):
+        points = losses[max(0, i + 1 - window):i + 1]
+        assert value == pytest.approx(sum(points) / len(points), rel=1e-12)
+        assert min(points) <= value <= max(points)
+    assert smooth([4.0, 2.0, 3.0, 1.0], window=2) == [4.0, 3.0, 2.5, 2.0]
+    write_run(tmp_path / "long" / "20260101_000000", [train(i, v) for i, v in enumerate(losses, start=1)])
+    fig = plot_runs([tmp_path / "long"], tmp_path / "long.png")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["long (mean of the last 24 logged steps)"]
+    assert list(fig.axes[0].lines[0].get_ydata()) == losses and list(fig.axes[0].lines[1].get_ydata()) == smoothed
+    assert fig.axes[0].get_title() == ("loss per optimizer step (thin: train, thick: its trailing mean, dashed with "
+                                       "dots: validation)")
 
 
 def test_several_runs_one_legend_entry_each(tmp_path, work_dir):

@@ -8,7 +8,13 @@ the stop words ``sfttool chat`` uses (``sfttool.utils.stop_words``), logged, and
 
     {"iter": 10, "input": "Hi?", "prompt": "<|im_start|>user\\nHi?...", "output": "Hello."}
 
-Every rank generates (ZeRO-3 needs all ranks in each forward); rank 0 writes.
+Every rank generates (ZeRO-3 needs all ranks in each forward); rank 0 writes. At the end the
+terminal shows each input's answers before and after training and where the files are:
+
+    Sample answers (all of them in work_dirs/demo/eval_outputs/):
+      Who are you?
+        iter 0:  I'm SmolLM, an AI assistant.
+        iter 57: I'm Quill, an assistant made by Larkspur Labs.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Any
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
+from sfttool import compat
 from sfttool.registry import BUILDER, build_if_config
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
@@ -51,6 +58,8 @@ class EvaluateChatHook(Hook):
         self.generation_kwargs = self._default_generation_kwargs(max_new_tokens)
         self.generation_kwargs.update(generation_kwargs)
         self._generated_at = None  # the iteration generated for last
+        self._first: list[dict] = []  # this run's generations before training, shown again at the end
+        self._last: list[dict] = []
 
     def _default_generation_kwargs(self, max_new_tokens: int) -> dict:
         tokenizer = self.tokenizer
@@ -61,15 +70,19 @@ class EvaluateChatHook(Hook):
                     pad_token_id=pad, use_cache=True)
 
     def before_train(self, runner) -> None:
-        self._generate(runner, runner.iter)
+        self._first = self._generate(runner, runner.iter)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         if self.every_n_iters and self.every_n_iters > 0 and self.every_n_train_iters(runner, self.every_n_iters):
             self._generate(runner, runner.iter + 1)
 
     def after_train(self, runner) -> None:
-        if self._generated_at != runner.iter:  # the last iteration was a multiple of every_n_iters
-            self._generate(runner, runner.iter)
+        last = self._last if self._generated_at == runner.iter else self._generate(runner, runner.iter)
+        if is_main_process():
+            text = answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs"))
+            runner.logger.info(text)
+            if not compat.console_is_verbose():  # the quiet terminal shows no INFO line: print it plainly
+                print(text, flush=True)
 
     # -- generation -------------------------------------------------------
 
@@ -81,7 +94,7 @@ class EvaluateChatHook(Hook):
             turn["system"] = self.system
         return encode_prompt([turn], self.tokenizer, self.prompt_template)
 
-    def _generate(self, runner, iteration: int) -> None:
+    def _generate(self, runner, iteration: int) -> list[dict]:
         from sfttool.engine.runner import unwrap_model
 
         model = unwrap_model(runner.model)
@@ -93,9 +106,10 @@ class EvaluateChatHook(Hook):
             records = [self._answer(model, runner, text, iteration) for text in self.evaluation_inputs]
         finally:
             model.train(was_training)
-        self._generated_at = iteration
+        self._generated_at, self._last = iteration, records
         if is_main_process():
             self._write(runner, iteration, records)
+        return records
 
     def _answer(self, model, runner, text: str, iteration: int) -> dict:
         import torch
@@ -122,6 +136,35 @@ class EvaluateChatHook(Hook):
             runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
         samples = "\n\n".join(record["prompt"] + record["output"] for record in records)
         add_text(getattr(runner, "visualizer", None), "samples", samples, iteration)  # to every tracker
+
+
+SHOWN_CHARACTERS = 200  # of each answer on the terminal; the files hold all of it
+
+
+def answers_text(first: list[dict], last: list[dict], folder: str) -> str:
+    """What the terminal shows at the end: each input, its answer before and after training
+    (whitespace collapsed, at most ``SHOWN_CHARACTERS``), and where all of them are.
+
+    >>> print(answers_text([{"iter": 0, "input": "Hi?", "output": "Hello."}],
+    ...                    [{"iter": 8, "input": "Hi?", "output": "Hi there!\\n"}], "w/eval_outputs"))
+    Sample answers (all of them in w/eval_outputs/):
+      Hi?
+        iter 0: Hello.
+        iter 8: Hi there!
+    """
+    lines = [f"Sample answers (all of them in {folder}/):"]
+    for index, record in enumerate(last):
+        lines.append(f"  {_shown(record['input'])}")
+        before = first[index] if index < len(first) and first[index]["iter"] != record["iter"] else None
+        width = len(f"iter {record['iter']}:")
+        for shown in ([before] if before else []) + [record]:
+            lines.append(f"    {'iter ' + str(shown['iter']) + ':':<{width}} {_shown(shown['output'])}")
+    return "\n".join(lines)
+
+
+def _shown(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS].rstrip() + " [...]"
 
 
 def _zero3(wrapped: Any) -> bool:
