@@ -14,6 +14,7 @@ from typing import Any
 
 from sfttool.engine.assemble import RunPlan, iters_per_epoch, this_run_iters, total_iters, train_loop_cfg
 from sfttool.engine.preflight import accumulative_counts
+from sfttool.engine.tracking import auto_tracking_note
 from sfttool.parallel.setup import sequence_parallel_size
 
 
@@ -99,7 +100,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, plan: RunPlan, world_size: 
                f"{plan.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
             f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %). {data}. {steps}. "
-            f"{outputs}.")
+            f"{outputs}.{auto_tracking_note(cfg)}")
 
 
 def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, plan: RunPlan) -> None:

@@ -82,6 +82,18 @@ def test_config_count_is_pinned():
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_config_runs_on_the_base_install_without_a_tracker_package(path, monkeypatch):
+    """A copied built-in's first run on the base install (no tensorboard, wandb or mlflow) must not stop
+    with "install the extra": report_to asks for no package (TensorBoard only where installed)."""
+    from sfttool.engine import tracking
+
+    cfg = load_config(path.stem)
+    monkeypatch.setattr(tracking, "_installed", lambda package: False)
+    tracking.check_trackers(cfg)
+    assert tracking.tracker_names(cfg.get("report_to")) == []
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_config_loads_and_every_type_resolves(path):
     cfg = load_config(path.stem)
     types = dict(_walk_types(dict(cfg.items())))
