@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Gemma-2-9B-IT on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: QLoRA SFT | 9.2B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+
 Memory (estimate): 9.2B params x 0.55 bytes (NF4 weights + scales) = 5.1 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Gemma-2-9B-IT on
 your own JSON/JSONL file in the standard `conversation` format, 3 epochs.
 
+At a glance: QLoRA SFT | 9.2B | your JSON/JSONL (conversation format) | one 16 GB GPU
+
 Memory (estimate): 9.2B params x 0.55 bytes (NF4 weights + scales) = 5.1 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of InternLM2.5-7B-Chat on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: QLoRA SFT | 7.7B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+
 Memory (estimate): 7.7B params x 0.55 bytes (NF4 weights + scales) = 4.2 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of InternLM2.5-7B-Chat on
 your own JSON/JSONL file in the standard `conversation` format, 3 epochs.
 
+At a glance: QLoRA SFT | 7.7B | your JSON/JSONL (conversation format) | one 16 GB GPU
+
 Memory (estimate): 7.7B params x 0.55 bytes (NF4 weights + scales) = 4.2 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

@@ -1,6 +1,8 @@
 """LoRA (bfloat16 base weights + adapter) of Mistral-7B-Instruct-v0.3 on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: LoRA SFT | 7.2B | Alpaca, 52k instructions (hub) | one 40 GB GPU
+
 Memory (estimate): 7.2B params x 2 bytes (bfloat16 weights) = 14.4 GB, plus the adapter,
 its Adam state and activations (one 2048-token row, gradient checkpointing): one 40 GB
 GPU.

@@ -1,6 +1,8 @@
 """LoRA (bfloat16 base weights + adapter) of Phi-3-mini-4k-instruct on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: LoRA SFT | 3.8B | Alpaca, 52k instructions (hub) | one 24 GB GPU
+
 Memory (estimate): 3.8B params x 2 bytes (bfloat16 weights) = 7.6 GB, plus the adapter,
 its Adam state and activations (one 2048-token row, gradient checkpointing): one 24 GB
 GPU.

@@ -1,6 +1,8 @@
 """Full fine-tuning (every weight trained) of Qwen2.5-0.5B-Instruct on
 your own JSON/JSONL file in the standard `conversation` format, 3 epochs.
 
+At a glance: full SFT | 0.5B | your JSON/JSONL (conversation format) | one 24 GB GPU
+
 Memory (estimate): 0.5B params x 16 bytes (fp32 weights + grads + Adam) = 8.0 GB, plus
 activations (one 2048-token row, gradient checkpointing): one 24 GB GPU. `--deepspeed
 zero2` spreads the optimizer state over several GPUs.

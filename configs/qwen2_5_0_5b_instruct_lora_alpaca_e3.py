@@ -1,6 +1,8 @@
 """LoRA (bfloat16 base weights + adapter) of Qwen2.5-0.5B-Instruct on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: LoRA SFT | 0.5B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+
 Memory (estimate): 0.5B params x 2 bytes (bfloat16 weights) = 1.0 GB, plus the adapter,
 its Adam state and activations (one 2048-token row, gradient checkpointing): one 16 GB
 GPU.

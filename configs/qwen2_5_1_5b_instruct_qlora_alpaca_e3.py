@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Qwen2.5-1.5B-Instruct on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: QLoRA SFT | 1.5B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+
 Memory (estimate): 1.5B params x 0.55 bytes (NF4 weights + scales) = 0.8 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

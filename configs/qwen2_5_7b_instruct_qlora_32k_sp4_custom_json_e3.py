@@ -2,6 +2,8 @@
 32,768 tokens: your own long conversations (JSON/JSONL, the standard `conversation` format),
 3 epochs, each row split over 4 GPUs by sequence parallelism (docs/long_context.md).
 
+At a glance: QLoRA SFT, sequence parallel 4 | 7.6B | your JSON/JSONL, rows up to 32k tokens | four 24 GB GPUs
+
 Each row of your file is
     {"conversation": [{"system": "...", "input": "...", "output": "..."}, ...]}
 

@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Qwen2.5-7B-Instruct on
 OpenAssistant Guanaco (~10k multi-turn conversations, timdettmers/openassistant-guanaco), 3 epochs.
 
+At a glance: QLoRA SFT | 7.6B | OASST1 Guanaco, ~10k conversations (hub) | one 16 GB GPU
+
 Memory (estimate): 7.6B params x 0.55 bytes (NF4 weights + scales) = 4.2 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

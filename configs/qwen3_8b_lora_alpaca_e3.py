@@ -1,6 +1,8 @@
 """LoRA (bfloat16 base weights + adapter) of Qwen3-8B on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: LoRA SFT | 8.2B | Alpaca, 52k instructions (hub) | one 40 GB GPU
+
 Memory (estimate): 8.2B params x 2 bytes (bfloat16 weights) = 16.4 GB, plus the adapter,
 its Adam state and activations (one 2048-token row, gradient checkpointing): one 40 GB
 GPU.

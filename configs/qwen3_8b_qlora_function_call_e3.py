@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Qwen3-8B on
 Glaive function calling (ShareGPT with tools, llamafactory/glaive_toolcall_en), 3 epochs.
 
+At a glance: QLoRA SFT | 8.2B | Glaive function calling (hub) | one 16 GB GPU
+
 Memory (estimate): 8.2B params x 0.55 bytes (NF4 weights + scales) = 4.5 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Qwen3-8B on
 OpenR1-Math-220k (math problems with DeepSeek-R1 reasoning, open-r1/OpenR1-Math-220k), 3 epochs.
 
+At a glance: QLoRA SFT | 8.2B | OpenR1-Math-220k reasoning (hub) | one 16 GB GPU
+
 Memory (estimate): 8.2B params x 0.55 bytes (NF4 weights + scales) = 4.5 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.

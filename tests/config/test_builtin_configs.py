@@ -2,6 +2,7 @@
 configs covers the families, methods and datasets the docs promise."""
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import sys
@@ -11,6 +12,7 @@ import pytest
 from mmengine.config.lazy import LazyAttr, LazyObject
 
 from sfttool.config import builtin_config_dir, list_configs, load_config, validate_config
+from sfttool.config.loader import config_at_a_glance
 from sfttool.dataset.data_path import load_data_path
 from sfttool.registry import build, resolve_type
 
@@ -140,6 +142,33 @@ def test_config_reads_top_to_bottom_in_five_parts(path):
     assert -1 not in positions and positions == sorted(positions), positions
     assert text.startswith('"""')  # a docstring saying what it trains and how to run it
     assert f"sfttool copy-cfg {path.stem} ." in text
+
+
+TECHNIQUES = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
+OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "reward": "reward model", "grpo": "GRPO"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_docstring_holds_the_line_list_cfg_prints(path):
+    """`sfttool list-cfg` prints each config's `At a glance:` docstring line: method, model size, data,
+    memory estimate. It agrees with the config's name, its data_path and the rest of its docstring."""
+    fields = config_at_a_glance(path)
+    assert fields is not None, (f"{path.name}: its docstring needs a line 'At a glance: METHOD | MODEL SIZE | "
+                                "DATA | MEMORY' (e.g. 'At a glance: QLoRA SFT | 7.6B | Alpaca, 52k instructions "
+                                "(hub) | one 16 GB GPU'), which `sfttool list-cfg` prints")
+    method, size, data, memory = fields
+    technique = re.search(r"_(full|lora|qlora)_", path.stem).group(1)
+    objective = next((OBJECTIVES[k] for k in OBJECTIVES if f"_{k}_" in path.stem), "SFT")
+    assert method.startswith(f"{TECHNIQUES[technique]} {objective}"), method
+    docstring = " ".join(ast.get_docstring(ast.parse(path.read_text())).replace(f"At a glance: {' | '.join(fields)}",
+                                                                                "").split())
+    if path.stem.startswith("demo_"):  # a CPU run: the size is in the name, the data bundled
+        assert f"_{size.lower()}_" in path.stem and memory.startswith("CPU, ") and "bundled" in data
+    else:  # the figures of the docstring's memory estimate
+        assert f"{size} params" in docstring and f": {memory}" in docstring, (size, memory)
+    data_path = load_config(path.stem).data_path
+    on_the_hub = isinstance(data_path, str) and not data_path.startswith("/")
+    assert data.endswith("(hub)") == on_the_hub, (data, data_path)
 
 
 def test_families_methods_and_custom_json_are_covered():
@@ -275,7 +304,9 @@ def test_non_editable_install_ships_the_configs(tmp_path):
             f"assert sfttool.__file__.startswith({str(site)!r}), sfttool.__file__; cli()")
     out = subprocess.run([sys.executable, "-c", code, "list-cfg", "-p", "QWEN"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, check=True).stdout
-    listed = [line for line in out.splitlines() if line and not line.startswith("=")]
+    lines = out.split("DEEPSPEED PRESETS")[0].splitlines()
+    assert lines[1].startswith("NAME  ")  # a header, then one line per config starting with its name
+    listed = [line.split()[0] for line in lines[2:-1]]
     assert listed == [n for n in list_configs() if "qwen" in n] and len(listed) >= 10
     code = (f"from sfttool.config import load_config; print(load_config({str(user_cfg)!r}).log_level)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
