@@ -28,7 +28,8 @@ FAMILY_COUNT = 28
 OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reasoning_e3", "qwen3_8b_qlora_reasoning_e3",
                  "qwen3_8b_qlora_function_call_e3", "llama3_1_8b_instruct_qlora_function_call_e3",
                  # preference training (docs/preference.md)
-                 "demo_smollm2_135m_lora_dpo_helpful_e3", "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
+                 "demo_smollm2_135m_lora_dpo_helpful_e3", "demo_smollm2_135m_lora_reward_helpful_e3",
+                 "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1",
                  "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1",
