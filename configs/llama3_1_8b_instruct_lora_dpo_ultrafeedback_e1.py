@@ -2,6 +2,8 @@
 on UltraFeedback (binarized, ~61k preference pairs, HuggingFaceH4/ultrafeedback_binarized,
 split train_prefs), 1 epoch.
 
+At a glance: LoRA DPO | 8.0B | UltraFeedback, ~61k pairs (hub) | one 40 GB GPU
+
 Memory (estimate): 8.0B params x 2 bytes (bf16) = 16.0 GB, plus the adapter, its Adam
 state and activations (one 4096-token row, gradient checkpointing): one 40 GB GPU.
 The reference model is the same base with the adapter switched off: no second copy.

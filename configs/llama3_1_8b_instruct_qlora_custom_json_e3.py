@@ -1,6 +1,8 @@
 """QLoRA (4-bit base weights + LoRA adapter) of Llama-3.1-8B-Instruct on
 your own JSON/JSONL file in the standard `conversation` format, 3 epochs.
 
+At a glance: QLoRA SFT | 8.0B | your JSON/JSONL (conversation format) | one 16 GB GPU
+
 Memory (estimate): 8.0B params x 0.55 bytes (NF4 weights + scales) = 4.4 GB, plus the
 adapter, its Adam state and activations (one 2048-token row, gradient checkpointing):
 one 16 GB GPU.
@@ -83,9 +85,10 @@ early_stopping_patience = None   # stop after this many validations without impr
 early_stopping_min_delta = 0.0   # an improvement must lower val/loss by more than this
 export_best = False          # True: the end-of-training HF export holds the best validation's weights
 
-# Tracking: 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]'), or [] for none.
+# Tracking: 'auto' is TensorBoard when it is installed (pip install 'sfttool[tensorboard]'), else none
+# (the run's summary says which); or a list of 'tensorboard', 'wandb', 'mlflow', [] for none.
 # Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
-report_to = ['tensorboard']
+report_to = 'auto'
 
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training

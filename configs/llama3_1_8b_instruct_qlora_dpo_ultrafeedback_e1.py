@@ -2,6 +2,8 @@
 on UltraFeedback (binarized, ~61k preference pairs, HuggingFaceH4/ultrafeedback_binarized,
 split train_prefs), 1 epoch.
 
+At a glance: QLoRA DPO | 8.0B | UltraFeedback, ~61k pairs (hub) | one 24 GB GPU
+
 Memory (estimate): 8.0B params x 0.55 bytes (NF4 weights + scales) = 4.4 GB, plus the adapter, its Adam
 state and activations (one 4096-token row, gradient checkpointing): one 24 GB GPU.
 The reference model is the same base with the adapter switched off: no second copy.

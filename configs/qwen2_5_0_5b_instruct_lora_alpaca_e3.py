@@ -1,6 +1,8 @@
 """LoRA (bfloat16 base weights + adapter) of Qwen2.5-0.5B-Instruct on
 Alpaca (52k single-turn instructions, tatsu-lab/alpaca), 3 epochs.
 
+At a glance: LoRA SFT | 0.5B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+
 Memory (estimate): 0.5B params x 2 bytes (bfloat16 weights) = 1.0 GB, plus the adapter,
 its Adam state and activations (one 2048-token row, gradient checkpointing): one 16 GB
 GPU.
@@ -74,9 +76,10 @@ early_stopping_patience = None   # stop after this many validations without impr
 early_stopping_min_delta = 0.0   # an improvement must lower val/loss by more than this
 export_best = False          # True: the end-of-training HF export holds the best validation's weights
 
-# Tracking: 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]'), or [] for none.
+# Tracking: 'auto' is TensorBoard when it is installed (pip install 'sfttool[tensorboard]'), else none
+# (the run's summary says which); or a list of 'tensorboard', 'wandb', 'mlflow', [] for none.
 # Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
-report_to = ['tensorboard']
+report_to = 'auto'
 
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training

@@ -3,6 +3,8 @@ scalar `score` head trained in full) on UltraFeedback (binarized, ~61k preferenc
 HuggingFaceH4/ultrafeedback_binarized, split train_prefs), 1 epoch: Bradley-Terry loss on the
 score of the chosen vs the rejected answer.
 
+At a glance: LoRA reward model | 7.6B | UltraFeedback, ~61k pairs (hub) | one 40 GB GPU
+
 Memory (estimate): 7.6B params x 2 bytes (bf16) = 15.2 GB, plus the adapter, its Adam
 state and activations (one 4096-token row, gradient checkpointing): one 40 GB GPU.
 

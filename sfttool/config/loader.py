@@ -1,6 +1,7 @@
 """Find built-in configs and load any config with mmengine's ``Config``."""
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.resources
 import os
@@ -32,6 +33,30 @@ def list_configs(pattern: str | None = None) -> list[str]:
     if pattern:
         names = [n for n in names if pattern.lower() in n.lower()]
     return names
+
+
+# The docstring line of a built-in config that `sfttool list-cfg` prints beside its name:
+#     At a glance: QLoRA SFT | 7.6B | Alpaca, 52k instructions (hub) | one 16 GB GPU
+AT_A_GLANCE = "At a glance:"
+GLANCE_FIELDS = ("method", "model", "data", "memory (estimate)")
+
+
+def config_at_a_glance(path: Path) -> list[str] | None:
+    """The fields of the ``At a glance:`` line of a config's docstring (method, model size, data,
+    memory estimate), read without executing the config; None when it has no such line of 4 fields.
+
+        At a glance: LoRA SFT | 135M | 82 bundled conversations | CPU, ~2 GB RAM
+        -> ['LoRA SFT', '135M', '82 bundled conversations', 'CPU, ~2 GB RAM']
+    """
+    try:
+        docstring = ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"))) or ""
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for line in docstring.splitlines():
+        if line.startswith(AT_A_GLANCE):
+            fields = [field.strip() for field in line[len(AT_A_GLANCE):].split("|")]
+            return fields if len(fields) == len(GLANCE_FIELDS) and all(fields) else None
+    return None
 
 
 def list_deepspeed_presets(pattern: str | None = None) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sfttool.engine.assemble import iters_per_epoch, total_iters, train_loop_cfg
 from sfttool.engine.spec import RunSpec
+from sfttool.engine.tracking import auto_tracking_note
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -126,7 +127,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
                f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
             f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %). {data}. {steps}. "
-            f"{outputs}.")
+            f"{outputs}.{auto_tracking_note(cfg)}")
 
 
 def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> None:

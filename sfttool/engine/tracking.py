@@ -1,6 +1,11 @@
 """Experiment trackers: PART 1's ``report_to`` as mmengine visualizer backends.
 
     report_to = ['tensorboard']            # or 'wandb', 'mlflow'; [] or ['none'] for none
+    report_to = 'auto'                     # TensorBoard when its package is installed, else none
+
+The built-in configs say ``'auto'``: they run on the base install, which has no tracker package, and
+the run's summary says whether TensorBoard is on (``auto_tracking_note``). A tracker named outright
+must be installed: ``check_trackers`` stops the run with one line naming the extra otherwise.
 
 Every scalar the runner logs goes to each backend through mmengine's ``LoggerHook``: train loss,
 learning rate, grad norm, tokens/s and MFU (``ThroughputHook``), ``val/loss`` and ``val/ppl``. The
@@ -32,15 +37,27 @@ class TrackingError(SfttoolError, ValueError):
     """A ``report_to`` name that is unknown or whose package is not installed."""
 
 
+# What 'auto' turns on, each only when its package is installed: TensorBoard needs no account,
+# no network and no server to write its files.
+AUTO = "auto"
+AUTO_TRACKERS = ("tensorboard",)
+
+
 def tracker_names(report_to: Any) -> list[str]:
-    """``report_to`` as a checked list of tracker names ('none' and [] give [])."""
+    """``report_to`` as a checked list of tracker names ('none' and [] give []; 'auto' gives
+    the installed ones of ``AUTO_TRACKERS``)."""
     if report_to is None or report_to == "none":
         return []
     names = [report_to] if isinstance(report_to, str) else list(report_to)
     for name in names:
-        if name != "none" and name not in TRACKERS:
-            raise TrackingError(f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} or 'none'")
-    return [name for name in names if name != "none"]
+        if name not in ("none", AUTO) and name not in TRACKERS:
+            raise TrackingError(f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, "
+                                f"{AUTO!r} or 'none'")
+    chosen = []
+    for name in names:
+        expanded = [n for n in AUTO_TRACKERS if _installed(TRACKERS[n][1])] if name == AUTO else [name]
+        chosen += [n for n in expanded if n != "none" and n not in chosen]
+    return chosen
 
 
 def check_trackers(cfg: Any) -> None:
@@ -50,6 +67,23 @@ def check_trackers(cfg: Any) -> None:
         if not _installed(package):
             raise TrackingError(f"report_to: {name!r} needs the {package} package, which is not installed: "
                                 f"pip install 'sfttool[{extra}]' (or remove {name!r} from report_to)")
+
+
+def auto_tracking_note(cfg: Any) -> str:
+    """The summary's sentence on what ``report_to='auto'`` turned on here; '' for any other ``report_to``.
+
+    " report_to='auto': tensorboard is off, as its package is not installed (pip install 'sfttool[tensorboard]'
+    turns it on)."
+    """
+    report_to = cfg.get("report_to")
+    if not (report_to == AUTO or (isinstance(report_to, (list, tuple)) and AUTO in report_to)):
+        return ""
+    on = [n for n in AUTO_TRACKERS if _installed(TRACKERS[n][1])]
+    off = [n for n in AUTO_TRACKERS if n not in on]
+    parts = [f"{n} is on (installed)" for n in on] + [
+        f"{n} is off, as its package is not installed (pip install 'sfttool[{TRACKERS[n][2]}]' turns it on)"
+        for n in off]
+    return f" report_to='auto': {'; '.join(parts)}."
 
 
 def _installed(package: str) -> bool:

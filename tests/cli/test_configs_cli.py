@@ -21,9 +21,13 @@ def _run(*args):
 
 
 def _listed(output):
+    """(config names, preset names) from list-cfg's output: a config line starts with its name, after
+    a header line; a preset line is its name."""
     configs, presets = output.split("DEEPSPEED PRESETS")
-    names = lambda block: [line for line in block.splitlines() if line and not line.startswith("=")]  # noqa: E731
-    return names(configs), names(presets)
+    lines = lambda block: [line for line in block.splitlines() if line and not line.startswith("=")]  # noqa: E731
+    config_lines = lines(configs)
+    assert not config_lines or config_lines[0].startswith("NAME  ")
+    return [line.split()[0] for line in config_lines[1:]], lines(presets)
 
 
 def test_list_cfg_filters_case_insensitively():
@@ -42,6 +46,32 @@ def test_list_cfg_without_pattern_lists_configs_and_deepspeed_presets():
 
 def test_list_cfg_says_when_nothing_matches():
     assert "(nothing matches 'no-such-model')" in _run("list-cfg", "-p", "no-such-model").output
+
+
+def test_list_cfg_shows_method_model_size_data_and_memory_in_columns():
+    lines = _run("list-cfg", "-p", "_7b_instruct_qlora_").output.splitlines()
+    header, rows = lines[1], lines[2:-1]
+    assert header.split("  ")[0] == "NAME" and [t.strip() for t in header.split("  ") if t.strip()] == [
+        "NAME", "METHOD", "MODEL", "DATA", "MEMORY (ESTIMATE)"]
+    assert [row.split()[0] for row in rows] == [n for n in list_configs() if "_7b_instruct_qlora_" in n]
+    row = next(r for r in rows if r.startswith(QLORA + " "))
+    assert [cell.strip() for cell in row.split("  ") if cell.strip()] == [
+        QLORA, "QLoRA SFT", "7.6B", "Alpaca, 52k instructions (hub)", "one 16 GB GPU"]
+    # Each column starts where its title does, on every line.
+    starts = [header.index(title) for title in ("METHOD", "MODEL", "DATA", "MEMORY")]
+    for line in rows:
+        assert all(line[start - 2:start] == "  " and line[start] != " " for start in starts), line
+
+
+def test_list_cfg_names_a_config_without_the_line(tmp_path, monkeypatch):
+    from sfttool.cli import configs
+
+    (tmp_path / "mine_e1.py").write_text('"""A config of my own."""\nx = 1\n')
+    (tmp_path / "other_e1.py").write_text('"""Two fields only.\n\nAt a glance: LoRA SFT | 1B\n"""\n')
+    monkeypatch.setattr(configs, "builtin_config_dir", lambda: tmp_path)
+    assert configs.config_table(["mine_e1", "other_e1"])[1:] == [
+        "mine_e1   (its docstring has no 'At a glance:' line)",
+        "other_e1  (its docstring has no 'At a glance:' line)"]
 
 
 @pytest.mark.parametrize("name, bases", [(QLORA, ["peft.py", "runtime.py"]), (FULL, ["runtime.py"])])

@@ -2,6 +2,7 @@
 configs covers the families, methods and datasets the docs promise."""
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import sys
@@ -11,6 +12,7 @@ import pytest
 from mmengine.config.lazy import LazyAttr, LazyObject
 
 from sfttool.config import builtin_config_dir, list_configs, load_config, validate_config
+from sfttool.config.loader import config_at_a_glance
 from sfttool.dataset.data_path import load_data_path
 from sfttool.registry import build, resolve_type
 
@@ -26,7 +28,8 @@ FAMILY_COUNT = 28
 OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reasoning_e3", "qwen3_8b_qlora_reasoning_e3",
                  "qwen3_8b_qlora_function_call_e3", "llama3_1_8b_instruct_qlora_function_call_e3",
                  # preference training (docs/preference.md)
-                 "demo_smollm2_135m_lora_dpo_helpful_e3", "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
+                 "demo_smollm2_135m_lora_dpo_helpful_e3", "demo_smollm2_135m_lora_reward_helpful_e3",
+                 "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1",
                  "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1",
@@ -72,13 +75,31 @@ FAMILY_CONFIGS = [p for p in SHIPPED if NAME_RE.match(p.stem) and _parts(p.stem)
 
 
 def test_config_count_is_pinned():
-    # Adding or removing a config is deliberate: update the counts and docs/configs.md.
-    assert len(FAMILY_CONFIGS) == FAMILY_COUNT
-    others = {p.stem for p in SHIPPED} - {p.stem for p in FAMILY_CONFIGS}
-    assert others <= OTHER_CONFIGS, f"unexpected configs {others - OTHER_CONFIGS}: add them to the docs and here"
+    # Adding or removing a config is deliberate: the docs list every config, and so does this file.
+    family = sorted(p.stem for p in FAMILY_CONFIGS)
+    assert len(family) == FAMILY_COUNT, (
+        f"{len(family)} model-family configs ({family}), FAMILY_COUNT says {FAMILY_COUNT}: set FAMILY_COUNT in "
+        f"{Path(__file__).name} to {len(family)} and update the table in docs/configs.md")
+    others = {p.stem for p in SHIPPED} - set(family)
+    assert others == OTHER_CONFIGS, (
+        f"configs shipped but not in OTHER_CONFIGS: {sorted(others - OTHER_CONFIGS)}; in OTHER_CONFIGS but not "
+        f"shipped: {sorted(OTHER_CONFIGS - others)}. Add a new config to OTHER_CONFIGS in {Path(__file__).name} "
+        "and to the docs page of its kind; take a removed one out of both")
     # Flat: what list-cfg shows (and copy-cfg copies) is every shipped config.
     assert list_configs() == sorted(p.stem for p in SHIPPED)
     assert builtin_config_dir().resolve() == CONFIG_DIR
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_config_runs_on_the_base_install_without_a_tracker_package(path, monkeypatch):
+    """A copied built-in's first run on the base install (no tensorboard, wandb or mlflow) must not stop
+    with "install the extra": report_to asks for no package (TensorBoard only where installed)."""
+    from sfttool.engine import tracking
+
+    cfg = load_config(path.stem)
+    monkeypatch.setattr(tracking, "_installed", lambda package: False)
+    tracking.check_trackers(cfg)
+    assert tracking.tracker_names(cfg.get("report_to")) == []
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -122,6 +143,33 @@ def test_config_reads_top_to_bottom_in_five_parts(path):
     assert -1 not in positions and positions == sorted(positions), positions
     assert text.startswith('"""')  # a docstring saying what it trains and how to run it
     assert f"sfttool copy-cfg {path.stem} ." in text
+
+
+TECHNIQUES = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
+OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "reward": "reward model", "grpo": "GRPO"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_docstring_holds_the_line_list_cfg_prints(path):
+    """`sfttool list-cfg` prints each config's `At a glance:` docstring line: method, model size, data,
+    memory estimate. It agrees with the config's name, its data_path and the rest of its docstring."""
+    fields = config_at_a_glance(path)
+    assert fields is not None, (f"{path.name}: its docstring needs a line 'At a glance: METHOD | MODEL SIZE | "
+                                "DATA | MEMORY' (e.g. 'At a glance: QLoRA SFT | 7.6B | Alpaca, 52k instructions "
+                                "(hub) | one 16 GB GPU'), which `sfttool list-cfg` prints")
+    method, size, data, memory = fields
+    technique = re.search(r"_(full|lora|qlora)_", path.stem).group(1)
+    objective = next((OBJECTIVES[k] for k in OBJECTIVES if f"_{k}_" in path.stem), "SFT")
+    assert method.startswith(f"{TECHNIQUES[technique]} {objective}"), method
+    docstring = " ".join(ast.get_docstring(ast.parse(path.read_text())).replace(f"At a glance: {' | '.join(fields)}",
+                                                                                "").split())
+    if path.stem.startswith("demo_"):  # a CPU run: the size is in the name, the data bundled
+        assert f"_{size.lower()}_" in path.stem and memory.startswith("CPU, ") and "bundled" in data
+    else:  # the figures of the docstring's memory estimate
+        assert f"{size} params" in docstring and f": {memory}" in docstring, (size, memory)
+    data_path = load_config(path.stem).data_path
+    on_the_hub = isinstance(data_path, str) and not data_path.startswith("/")
+    assert data.endswith("(hub)") == on_the_hub, (data, data_path)
 
 
 def test_families_methods_and_custom_json_are_covered():
@@ -257,7 +305,9 @@ def test_non_editable_install_ships_the_configs(tmp_path):
             f"assert sfttool.__file__.startswith({str(site)!r}), sfttool.__file__; cli()")
     out = subprocess.run([sys.executable, "-c", code, "list-cfg", "-p", "QWEN"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, check=True).stdout
-    listed = [line for line in out.splitlines() if line and not line.startswith("=")]
+    lines = out.split("DEEPSPEED PRESETS")[0].splitlines()
+    assert lines[1].startswith("NAME  ")  # a header, then one line per config starting with its name
+    listed = [line.split()[0] for line in lines[2:-1]]
     assert listed == [n for n in list_configs() if "qwen" in n] and len(listed) >= 10
     code = (f"from sfttool.config import load_config; print(load_config({str(user_cfg)!r}).log_level)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,

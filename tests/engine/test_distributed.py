@@ -89,6 +89,8 @@ def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path, tiny_qwen2_dir
     single = train(str(one), work_dir=str(tmp_path / "one"))
     a = load_file(tmp_path / "two" / "hf_adapter" / "adapter_model.safetensors")
     b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0  # trained: B starts at 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 

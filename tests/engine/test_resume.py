@@ -217,11 +217,20 @@ def test_a_work_dir_with_an_earlier_runs_checkpoints_is_refused_and_left_alone(t
 
 
 def test_a_work_dir_without_complete_checkpoints_can_be_trained_into(tmp_path):
+    from sfttool.engine.checkpoint import find_latest_checkpoint
     from sfttool.engine.preflight import check_work_dir
+    from sfttool.engine.safety import WorkDirError
 
     (tmp_path / "iter_4.pth.tmp").write_bytes(b"partial")  # the first save was killed: nothing to continue
     (tmp_path / "20250101_000000").mkdir()                 # a log folder of a run that failed early
-    check_work_dir(tmp_path, resume=None)
+    before = _snapshot(tmp_path)
+    assert find_latest_checkpoint(tmp_path) is None
+    assert check_work_dir(tmp_path, resume=None) is None   # accepted: a new run may start here
+    assert _snapshot(tmp_path) == before and (tmp_path / "20250101_000000").is_dir()
+    # The same folder once that save had completed holds a checkpoint to protect: refused.
+    (tmp_path / "iter_4.pth.tmp").rename(tmp_path / "iter_4.pth")
+    with pytest.raises(WorkDirError, match="already holds checkpoints of an earlier run \\(newest: iter_4.pth\\)"):
+        check_work_dir(tmp_path, resume=None)
 
 
 def test_a_work_dir_that_is_a_file_is_a_clear_error(tmp_path):

@@ -202,6 +202,51 @@ def test_unknown_tracker_and_missing_package_are_one_line(monkeypatch):
                                 "pip install 'sfttool[wandb]' (or remove 'wandb' from report_to)")
 
 
+@pytest.mark.parametrize("installed", [False, True])
+def test_auto_is_tensorboard_where_it_is_installed_and_nothing_elsewhere(monkeypatch, installed):
+    """report_to='auto' (the built-ins' setting) never asks for a package: on the base install it is no
+    tracker, and the summary's sentence says so and how to turn TensorBoard on."""
+    from mmengine.config import Config
+    from mmengine.visualization import LocalVisBackend, TensorboardVisBackend
+
+    monkeypatch.setattr(tracking, "_installed", lambda package: installed)
+    for report_to in ("auto", ["auto"], ["auto", "tensorboard"] if installed else ["auto", "none"]):
+        cfg = Config(dict(report_to=report_to))
+        tracking.check_trackers(cfg)
+        assert tracking.tracker_names(report_to) == (["tensorboard"] if installed else [])
+        backends = tracking.visualizer_cfg(cfg, tuple(tracking.tracker_names(report_to)))["vis_backends"]
+        assert [b["type"] for b in backends] == [LocalVisBackend] + ([TensorboardVisBackend] if installed else [])
+        assert tracking.auto_tracking_note(cfg) == (
+            " report_to='auto': tensorboard is on (installed)." if installed else
+            " report_to='auto': tensorboard is off, as its package is not installed "
+            "(pip install 'sfttool[tensorboard]' turns it on).")
+    # Only 'auto' adds a sentence to the summary: a named tracker is there or stops the run.
+    assert [tracking.auto_tracking_note(Config(dict(report_to=r))) for r in (None, [], "none", ["wandb"])] == [""] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("installed", [False, True])
+def test_a_run_with_auto_trains_on_the_base_install_and_says_what_it_tracks(tmp_path, tiny_config, monkeypatch,
+                                                                          capsys, installed):
+    """The case of a copied built-in's first run on the base install (no tensorboard): it trains, and the
+    summary says TensorBoard is off; where tensorboard is installed the run writes its event files."""
+    from mmengine.config import Config
+
+    from sfttool.engine.train import train
+
+    if installed:
+        needs("tensorboard")
+    monkeypatch.setattr(tracking, "_installed", lambda package: installed)
+    cfg = tiny_config()
+    cfg.write_text(cfg.read_text() + "report_to = 'auto'\n")
+    work = train(str(cfg), work_dir=str(tmp_path / "w"), max_steps=1)
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[sfttool] Training "))
+    assert summary.endswith(tracking.auto_tracking_note(Config(dict(report_to="auto"))))
+    (vis_data,) = work.glob("*/vis_data")
+    assert (vis_data / "scalars.json").is_file()
+    assert bool(list(vis_data.glob("events.out.tfevents.*"))) is installed
+
+
 def test_missing_package_stops_before_training(tmp_path, tiny_config, monkeypatch):
     from sfttool.engine.train import train
 

@@ -19,6 +19,7 @@ from sfttool.config import list_configs, load_config
 from sfttool.registry import build
 
 DEMO = "demo_smollm2_135m_lora_dpo_helpful_e3"
+REWARD_DEMO = "demo_smollm2_135m_lora_reward_helpful_e3"
 PREFERENCE_CONFIGS = [n for n in list_configs() if any(f"_{kind}_" in n for kind in ("dpo", "orpo", "reward"))]
 
 
@@ -123,6 +124,61 @@ def test_resuming_a_finished_dpo_run_ends_at_once(demo_run, demo_copy):
     assert sorted(p.name for p in demo_run.glob("iter_*.pth")) == before
 
 
+@pytest.mark.slow
+def test_the_reward_demo_trains_and_sfttool_score_scores_its_output(tmp_path, tiny_llama_dir):
+    """The reward demo, copied and pointed at the tiny Llama (one epoch), trains through `sfttool train`;
+    `sfttool score` on its adapter gives exactly the scores of the merged sequence classifier on the
+    sequences training built (template and reward token from the config saved beside the adapter)."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from sfttool.dataset import build_preference_dataset
+    from sfttool.dataset.collate_fns import preference_collate_fn
+    from sfttool.model import RewardModel
+    from sfttool.utils import PROMPT_TEMPLATE
+
+    run_cli("copy-cfg", REWARD_DEMO, tmp_path)
+    path = tmp_path / f"{REWARD_DEMO}_copy.py"
+    text = path.read_text()
+    # The tiny tokenizer's pieces are shorter; its pad token is id 0, which transformers' sequence
+    # classifier skips when it picks the last token, so its sequences end with <|im_end|> (2) instead.
+    for old, new in [("pretrained_model_name_or_path = dict(type=export_smollm2)",
+                      f"pretrained_model_name_or_path = {str(tiny_llama_dir)!r}"),
+                     ("max_epochs = 3", "max_epochs = 1"), ("max_length = 128", "max_length = 256"),
+                     ("max_packed_length = 256", "max_packed_length = 1024"), ("reward_token_id = 0", "reward_token_id = 2")]:
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    work = tmp_path / "work"
+    run_cli("train", path, "--work-dir", work)
+    scalars = logged_scalars(work)
+    assert scalars and all(k in scalars[0] for k in ("loss", "accuracy", "scores/chosen", "scores/rejected"))
+    assert json.loads((work / "hf_adapter" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+
+    prompt, chosen, rejected = "What is the capital of Norway?", "Oslo is the capital of Norway.", "Bergen."
+    result = run_cli("score", tiny_llama_dir, "--adapter", work / "hf_adapter", "--prompt", prompt,
+                     "--chosen", chosen, "--rejected", rejected)
+    printed = dict(re.findall(r"(chosen|rejected|preferred): (\S+)", result.output))
+    run_cli("convert", "merge", tiny_llama_dir, work / "hf_adapter", tmp_path / "merged")
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    row = {"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": chosen}],
+           "rejected": [{"role": "assistant", "content": rejected}]}
+    (pair,) = build_preference_dataset(Dataset.from_list([row]), AutoTokenizer.from_pretrained(tiny_llama_dir),
+                                       max_length=256, is_reward=True, reward_token_id=2, pack_to_max_length=False,
+                                       prompt_template=PROMPT_TEMPLATE.hf_chat_template)
+    n_chosen, n_rejected = pair["sample_lengths"]  # the row holds the chosen sequence, then the rejected one
+    sequences = [pair["input_ids"][:n_chosen], pair["input_ids"][n_chosen:n_chosen + n_rejected]]
+    assert [seq[-1] for seq in sequences] == [2, 2]
+    with torch.no_grad():  # as training scores: RewardModel at each sequence's last token; and plain transformers
+        want = RewardModel(llm=merged, reward_token_id=2, use_activation_checkpointing=False).sequence_scores(
+            preference_collate_fn([pair])["data"]).tolist()
+        plain = [merged(input_ids=torch.tensor([seq])).logits[0, 0].item() for seq in sequences]
+    assert plain == pytest.approx(want, abs=1e-4)
+    assert float(printed["chosen"]) == pytest.approx(want[0], abs=1e-4)
+    assert float(printed["rejected"]) == pytest.approx(want[1], abs=1e-4)
+    assert want[0] != want[1] and printed["preferred"] == ("chosen" if want[0] > want[1] else "rejected")
+
+
 # --- every shipped preference config builds on tiny assets ------------------------------------------------
 
 
@@ -133,7 +189,7 @@ def _materialise(value):
 
 def test_the_preference_configs_are_listed():
     assert sorted(PREFERENCE_CONFIGS) == sorted([
-        DEMO, "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1",
+        DEMO, REWARD_DEMO, "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1",
         "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1",
         "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1", "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1"])
 
@@ -152,7 +208,7 @@ def ultrafeedback_jsonl(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in PREFERENCE_CONFIGS if n != DEMO])
+@pytest.mark.parametrize("name", [n for n in PREFERENCE_CONFIGS if not n.startswith("demo_")])
 def test_shipped_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_dir, ultrafeedback_jsonl):
     # Pointed at tiny assets the way a user would: PART 1 settings from the command line.
     options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={ultrafeedback_jsonl}",

@@ -257,12 +257,30 @@ def test_quantization_dict_becomes_bitsandbytes_config():
     assert cfg.load_in_4bit and cfg.bnb_4bit_compute_dtype == torch.bfloat16
 
 
-def test_attention_backend_choice(tiny_llama_dir, make_sft):
-    from sfttool.model.build import default_attn_implementation
+@pytest.mark.parametrize("gpu, flash_attn", [(False, False), (False, True), (True, False), (True, True)])
+def test_attention_backend_choice(monkeypatch, caplog, gpu, flash_attn):
+    """Flash-attention 2 only when varlen attention is asked for and both a GPU and the package are
+    there; SDPA (which isolates packed samples too) otherwise, with a warning when varlen was asked for.
+    The two probes the choice reads are set, so every case runs on every machine, GPU or not."""
+    import transformers.utils
 
-    assert default_attn_implementation(False) == "sdpa"
-    if not torch.cuda.is_available():
-        assert default_attn_implementation(True) == "sdpa"  # no flash-attention on CPU: SDPA isolates too
+    from sfttool.model.build import default_attn_implementation, normalise_llm_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash_attn)
+    with caplog.at_level("WARNING", logger="sfttool.model.build"):
+        assert default_attn_implementation(False) == "sdpa"
+        assert caplog.records == []
+        want = "flash_attention_2" if gpu and flash_attn else "sdpa"
+        assert default_attn_implementation(True) == want
+        assert normalise_llm_args({}, True, None)["attn_implementation"] == want
+    assert len(caplog.records) == (0 if want == "flash_attention_2" else 2)
+    assert all("flash-attention 2 is not usable here; using SDPA" in r.getMessage() for r in caplog.records)
+    # A backend the config names is kept, whatever the machine has.
+    assert normalise_llm_args({"attn_implementation": "eager"}, True, None)["attn_implementation"] == "eager"
+
+
+def test_a_named_attention_backend_is_what_the_model_runs(tiny_llama_dir, make_sft):
     assert make_sft(tiny_llama_dir, attn="eager").llm.config._attn_implementation == "eager"
 
 

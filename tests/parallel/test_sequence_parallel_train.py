@@ -43,9 +43,9 @@ def one_process(tmp_path_factory, tiny_qwen2_dir, tiny_sft_jsonl) -> Path:
 
 
 @pytest.mark.slow
-# ZeRO-3 runs across two simulated nodes (tests/engine/test_distributed.py); ZeRO-2 passes too (its
-# gradients are reduced as DDP's).
-@pytest.mark.parametrize("deepspeed", [None])
+# DDP, and DeepSpeed ZeRO-2 (its gradients are reduced over the data-parallel group as DDP's are; ZeRO-3
+# runs across two simulated nodes in tests/engine/test_distributed.py).
+@pytest.mark.parametrize("deepspeed", [None, "zero2"])
 def test_two_ranks_sharing_each_row_train_like_one_rank(tmp_path, tiny_qwen2_dir, tiny_sft_jsonl, one_process,
                                                         deepspeed):
     from safetensors.torch import load_file
