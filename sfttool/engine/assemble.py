@@ -43,7 +43,7 @@ def build_runner(cfg: Any, model: Any, dataset: Any, plan: RunPlan):
 
     setup_sequence_parallel(cfg, model, dataset)  # before the sampler and the loop read the data-parallel ranks
     per_epoch = iters_per_epoch(cfg, dataset)
-    loop = train_loop_cfg(cfg)
+    loop = train_loop_cfg(cfg, plan)
     full_run = total_iters(loop, per_epoch)
     default_hooks, custom_hooks = hooks(cfg, plan, this_run_iters(cfg, plan, full_run))
     common = dict(
@@ -95,14 +95,20 @@ def iters_per_epoch(cfg: Any, dataset: Any) -> int:
     from sfttool.parallel.groups import get_data_parallel_world_size
 
     share = -(-len(dataset) // get_data_parallel_world_size())
-    return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
+    batches = max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
+    per_batch = getattr(train_loop_cfg(cfg)["type"], "iterations_per_batch", None)  # GRPOLoop: a round's
+    return batches * (int(per_batch(cfg)) if per_batch is not None else 1)
 
 
-def train_loop_cfg(cfg: Any) -> dict:
+def train_loop_cfg(cfg: Any, plan: RunPlan | None = None) -> dict:
+    """``train_cfg`` with its type resolved; a loop that shows a dry run its own way (``accepts_dry_run``)
+    is told about ``--dry-run``."""
     from sfttool.engine.runner import TrainLoop
 
     loop = dict(cfg.train_cfg)
     loop["type"] = resolve_type(loop["type"], "train_cfg.type") if "type" in loop else TrainLoop
+    if plan is not None and plan.dry_run and getattr(loop["type"], "accepts_dry_run", False):
+        loop["dry_run"] = True
     return loop
 
 

@@ -40,7 +40,11 @@ def check_config(cfg: Any) -> None:
     errors = validate_config(cfg, cfg.filename)
     if errors:
         raise ConfigError("the config has problems:\n  " + "\n  ".join(errors))
-    check_trackers(cfg)  # report_to's packages: one line naming the extra to install
+    check_trackers(cfg)
+    from sfttool.registry import type_name
+    if type_name((cfg.get("train_cfg") or {}).get("type")) == "GRPOLoop":  # its rounds fit its steps
+        from sfttool.engine.grpo_loop import check_loop_config
+        check_loop_config(cfg)  # report_to's packages: one line naming the extra to install
 
 
 def remote_code_policy(cfg: Any, trust_remote_code: bool) -> None:
