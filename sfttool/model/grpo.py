@@ -185,14 +185,12 @@ class GRPO(SupervisedFinetune):
         old = data.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)  # the first pass of a one-step round: ratio 1
         weights = data["loss_mask"].to(logps)[sequence_of]  # [n]
-        log_ratio = G.importance_log_ratio(logps, old, weights, sequence_of, count, self.importance_sampling_level)
-        advantages = data["advantages"].to(logps)[sequence_of]
-        token_loss, low, high = G.clipped_surrogate(torch.exp(log_ratio), advantages, self.epsilon_low,
-                                                    self.epsilon_high)
+        ref = data["ref_logps"].to(logps) if self.beta > 0 else None
+        token_loss, low, high, kl = G.per_token_loss(
+            logps, old, ref, data["advantages"].to(logps)[sequence_of], weights, sequence_of, count,
+            self.importance_sampling_level, self.epsilon_low, self.epsilon_high, self.beta)
         stats = {"tokens": weights.sum(), "clipped_low": (low * weights).sum(), "clipped_high": (high * weights).sum()}
-        if self.beta > 0:
-            kl = G.kl_k3(logps, data["ref_logps"].to(logps))
-            token_loss = token_loss + self.beta * kl
+        if kl is not None:
             stats["kl"] = (kl.detach() * weights).sum()
         total = G.aggregate(token_loss, weights, sequence_of, count, self.loss_type)
         normalizer = data.get("loss_normalizer")

@@ -101,6 +101,21 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
+                   advantages: torch.Tensor, weights: torch.Tensor, sequence_of: torch.Tensor, num_sequences: int,
+                   level: str = "token", epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(loss_t, low-clipped, high-clipped, KL_t or None)``, each [n]: the module docstring's per-token
+    loss. ``advantages`` [n] is each token's completion's advantage; ``ref_logps`` is used when beta > 0."""
+    log_ratio = importance_log_ratio(logps, old_logps, weights, sequence_of, num_sequences, level)
+    loss, low, high = clipped_surrogate(torch.exp(log_ratio), advantages, epsilon_low, epsilon_high)
+    kl = None
+    if beta > 0:
+        kl = kl_k3(logps, ref_logps)
+        loss = loss + beta * kl
+    return loss, low, high, kl
+
+
 def aggregate(token_loss: torch.Tensor, weights: torch.Tensor, sequence_of: torch.Tensor, num_sequences: int,
               loss_type: str) -> torch.Tensor:
     """The micro-batch's share of the step's loss numerator (see the module docstring)."""

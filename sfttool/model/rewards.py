@@ -153,7 +153,7 @@ def accuracy_reward(completions: list, solution: list, **columns: Any) -> list[f
     return [None if gold is None else check(completion_text(c), str(gold)) for c, gold in zip(completions, solution)]
 
 
-THINK_FORMAT = re.compile(r"^\s*<think>(?:(?!<think>).)*?</think>\s*\S", re.S)
+THINK_FORMAT = re.compile(r"^\s*<think>(?!.*<think>).*?</think>\s*\S", re.S)
 
 
 def format_reward(completions: list, **columns: Any) -> list[float]:
