@@ -117,6 +117,10 @@ class StepMetrics:
     def __init__(self, reward_names: list[str], with_kl: bool):
         self.names, self.with_kl = reward_names, with_kl
         self.sums = torch.zeros(len(self.BASE) + 3 * len(reward_names), dtype=torch.float64)
+        # every name finish() may return (a resumed run's message hub holds the last step's values of them)
+        self.keys = {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                     "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                     "clip_ratio/region_mean", "kl", *(f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std"))}
 
     def add(self, data: dict, stats: dict) -> None:
         parts = data["reward_parts"].double().cpu()  # [S, functions], NaN where a function did not apply
@@ -247,8 +251,12 @@ class GRPOLoop(TrainLoop):
         stats = {key[len(STATS_PREFIX):]: float(outputs.pop(key)) for key in list(outputs)
                  if key.startswith(STATS_PREFIX)}
         self.metrics.add(data_batch["data"], stats)
+        # A step's metrics are logged with its last micro-batch only: the logger shows a scalar's latest value,
+        # which the other micro-batches would repeat from the step before.
+        for key in self.metrics.keys:
+            self.runner.message_hub.log_scalars.pop(f"train/{key}", None)
         if not self._pending or self.dry_run:  # the optimizer step's last micro-batch
-            outputs.update({k: torch.tensor(v) for k, v in self.metrics.finish().items()})
+            outputs.update({k: torch.tensor(v, dtype=torch.float64) for k, v in self.metrics.finish().items()})
         self.runner.call_hook("after_train_iter", batch_idx=self._iter, data_batch=data_batch, outputs=outputs)
         self._iter += 1
 
