@@ -15,4 +15,5 @@ BUILDER.register_module(name="process_hf_dataset", module=process_hf_dataset, fo
 BUILDER.register_module(name="build_preference_dataset", module=build_preference_dataset, force=True)
 BUILDER.register_module(name="build_prompt_dataset", module=build_prompt_dataset, force=True)
 
-__all__ = ["DatasetError", "build_preference_dataset", "build_prompt_dataset", "load_json_dataset", "mix_datasets", "process_hf_dataset"]
+__all__ = ["DatasetError", "build_preference_dataset", "build_prompt_dataset", "load_json_dataset", "mix_datasets",
+           "process_hf_dataset"]

@@ -120,7 +120,8 @@ class StepMetrics:
         # every name finish() may return (a resumed run's message hub holds the last step's values of them)
         self.keys = {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                      "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                     "clip_ratio/region_mean", "kl", *(f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std"))}
+                     "clip_ratio/region_mean", "kl",
+                     *(f"rewards/{name}/{stat}" for name in reward_names for stat in ("mean", "std"))}
 
     def add(self, data: dict, stats: dict) -> None:
         parts = data["reward_parts"].double().cpu()  # [S, functions], NaN where a function did not apply

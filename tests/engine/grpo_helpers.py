@@ -40,6 +40,7 @@ tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_pa
 model = dict(
     type=GRPO, tokenizer=tokenizer, reward_funcs={reward_funcs}, num_generations=num_generations,
     max_completion_length=8, temperature=1.0, beta={beta}, loss_type={loss_type!r}, epsilon=0.2, epsilon_high=0.28,
+    scale_rewards={scale_rewards!r},
     use_activation_checkpointing=False,
     llm=dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=model_dir, dtype='float32'),
     lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout={dropout}, bias='none', task_type='CAUSAL_LM'))
@@ -70,12 +71,14 @@ SCHEDULE = """[
 
 def write_grpo_config(path: Path, model_dir, data_file, *, num_generations=4, generation_batch_size=8, batch_size=4,
                       accumulative_counts=2, num_iterations=1, max_epochs=0.5, beta=0.0, loss_type="dapo",
+                      scale_rewards="group",
                       reward_funcs="['grpo_helpers.letter_e', 'accuracy']", dropout=0.0, save_steps=100, keep=2,
                       custom_hooks="[]", scheduler=SCHEDULE) -> Path:
     path.write_text(GRPO_CONFIG.format(
         model_dir=str(model_dir), data_file=str(data_file), num_generations=num_generations,
         generation_batch_size=generation_batch_size, batch_size=batch_size, accumulative_counts=accumulative_counts,
         num_iterations=num_iterations, max_epochs=max_epochs, beta=beta, loss_type=loss_type,
+        scale_rewards=scale_rewards,
         reward_funcs=reward_funcs, dropout=dropout, save_steps=save_steps, keep=keep, custom_hooks=custom_hooks,
         scheduler=scheduler))
     return path
