@@ -307,8 +307,11 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     findings = Findings(echo)
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
     from sfttool.tools.check_preference import check_preference, is_preference_node
+    from sfttool.tools.check_prompts import check_prompts, is_prompt_node
     if is_preference_node(node):
         check_preference(node, findings, max_errors, echo, color, batch_size)
+    elif is_prompt_node(node):
+        check_prompts(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
         for i, part in enumerate(parts):
