@@ -51,8 +51,8 @@ def test_every_bad_row_is_listed_with_its_number(tmp_path, tiny_tokenizer_dir):
             {"prompt": "also fine"}, {"question": "no prompt"}]
     result = check(tmp_path, tiny_tokenizer_dir, rows, map_fn="None")
     assert result.exit_code == 1
-    assert "ERROR: row 1, field 'prompt': the prompt ends with an assistant message" in result.output
-    assert "row 3: no `prompt`; set a dataset_map_fn for this format" in result.output
+    assert "prompts.jsonl, row 1, field 'prompt': the prompt ends with an assistant message" in result.output
+    assert "prompts.jsonl, row 3: no `prompt`; set a dataset_map_fn for this format" in result.output
     assert "FAILED: 2 errors" in result.output
 
 
