@@ -35,7 +35,7 @@ def scalars(work_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_logged_metrics_are_each_steps_exact_values(grpo_config, tmp_path):
+def test_logged_metrics_are_each_steps_exact_values(grpo_config, tmp_path, capsys):
     """Every step trains on one whole round (2 prompts x 4 completions, two micro-batches of 4): its logged
     reward is the mean of the 8 completions written to completions/step_<n>.jsonl, each function's mean and
     std over those, and the fraction of groups without reward spread."""
@@ -58,6 +58,10 @@ def test_logged_metrics_are_each_steps_exact_values(grpo_config, tmp_path):
         assert 1 <= record["completions/mean_length"] <= 8 and 0 <= record["completions/clipped_ratio"] <= 1
         assert record["clip_ratio/region_mean"] == 0.0  # one pass over each round: ratio 1, nothing clipped
     assert "kl" not in records[0]  # beta 0: no reference, no KL
+    # the progress line shows the step's reward, mean completion length and clipped fraction
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("iter 2/8"))
+    assert (f"| reward {records[0]['reward']:.3f} | len {records[0]['completions/mean_length']:.3f} | clip 0.000 | lr "
+            in line)
     log = next(work.glob("*/*.log")).read_text()
     assert "Completions sampled for optimizer step 1 (rewards: letter_e, accuracy):" in log
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()

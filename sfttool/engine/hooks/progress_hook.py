@@ -27,8 +27,11 @@ def format_eta(seconds: float) -> str:
 
 
 # Preference training's figure of progress, shown beside the loss: the reward margin (chosen minus
-# rejected), averaged over the last iterations (one iteration's pairs are too few to read).
-SHOWN_SCALARS = (("margin", "train/rewards/margins"),)
+# rejected), averaged over the last iterations (one iteration's pairs are too few to read). Online RL's
+# (GRPO): the step's mean reward, KL, mean completion length and fraction of clipped tokens, logged once
+# per optimizer step.
+SHOWN_SCALARS = (("margin", "train/rewards/margins"), ("reward", "train/reward"), ("kl", "train/kl"),
+                 ("len", "train/completions/mean_length"), ("clip", "train/clip_ratio/region_mean"))
 SHOWN_WINDOW = 10
 
 
