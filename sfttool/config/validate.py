@@ -50,7 +50,9 @@ def validate_config(cfg: Any, path: str = "config") -> list[str]:
     if isinstance(tc, dict) and tc.get("max_epochs") is None and tc.get("max_iters") is None:
         errors.append(f"{path}: train_cfg: set max_epochs (or max_iters) so the run has a length")
     from sfttool.dataset.preference import validation_problems
-    return errors + check_arguments(cfg, path) + check_data_paths(cfg, path) + validation_problems(cfg, path)
+    from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
+    return (errors + check_arguments(cfg, path) + check_data_paths(cfg, path) + validation_problems(cfg, path)
+            + prompt_validation_problems(cfg, path))
 
 
 def check_data_paths(cfg: Any, path: str) -> list[str]:

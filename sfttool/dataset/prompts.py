@@ -242,6 +242,21 @@ def build_prompt_dataset(dataset, tokenizer=None, max_prompt_length=512, dataset
     return dataset
 
 
+def validation_problems(cfg: Any, path: str) -> list[str]:
+    """A prompt (online RL) config that asks for validation: one line naming the keys. The validation loop
+    measures the SFT token loss of answers, which prompts do not have; it is refused rather than run or
+    silently skipped."""
+    from sfttool.registry import type_name
+    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
+    if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_prompt_dataset"):
+        return []
+    keys = [k for k in ("val_ratio", "val_data_path", "val_dataloader") if cfg.get(k)]
+    if not keys:
+        return []
+    return [f"{path}: {', '.join(keys)}: online RL (GRPO) has no validation yet (the validation loop measures the "
+            f"SFT token loss of answers, and prompts have none); remove {' and '.join(keys)} (or set them to None)"]
+
+
 # As for process_hf_dataset: the registry hands `dataset` over as its config, so local JSON files are checked
 # line by line before Arrow reads them and errors name the file.
 build_prompt_dataset.build_args_lazily = ("dataset",)

@@ -95,9 +95,10 @@ def iters_per_epoch(cfg: Any, dataset: Any) -> int:
     from sfttool.parallel.groups import get_data_parallel_world_size
 
     share = -(-len(dataset) // get_data_parallel_world_size())
-    batches = max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
-    per_batch = getattr(train_loop_cfg(cfg)["type"], "iterations_per_batch", None)  # GRPOLoop: a round's
-    return batches * (int(per_batch(cfg)) if per_batch is not None else 1)
+    own = getattr(train_loop_cfg(cfg)["type"], "iterations_per_epoch", None)  # GRPOLoop: its generation rounds'
+    if own is not None:
+        return int(own(cfg, share))
+    return max(1, -(-share // int(cfg.train_dataloader.get("batch_size", 1))))
 
 
 def train_loop_cfg(cfg: Any, plan: RunPlan | None = None) -> dict:

@@ -174,6 +174,8 @@ class GRPOLoop(TrainLoop):
     def __init__(self, runner, dataloader, max_iters: int | None = None, max_epochs: int | float | None = None,
                  num_iterations: int = 1, micro_batch_size: int | None = None, log_completions_steps: int | None = None,
                  num_logged_prompts: int = 2, dry_run: bool = False, **kwargs) -> None:
+        if isinstance(dataloader, dict):  # rounds are whole: a last, short batch of prompts is not a round
+            dataloader = dict(dataloader, drop_last=True)
         super().__init__(runner, dataloader, max_iters=max_iters, max_epochs=max_epochs, **kwargs)
         self.model = unwrap_model(runner.model)
         if not callable(getattr(self.model, "generate_completions", None)):
@@ -192,9 +194,15 @@ class GRPOLoop(TrainLoop):
         self.metrics = StepMetrics([r.name for r in self.model.rewards], self.model.beta > 0)
 
     @staticmethod
-    def iterations_per_batch(cfg: Any) -> int:
-        """Iterations per batch of prompts (the runner's schedule in epochs converts with it)."""
-        return round_iterations(*loop_settings(cfg))
+    def iterations_per_epoch(cfg: Any, prompts: int) -> int:
+        """Iterations of an epoch of ``prompts`` prompts per process: its whole rounds' (a last batch with fewer
+        prompts than a round is left for the next epoch's order, as TRL leaves it). The runner's schedule in
+        epochs converts with it."""
+        per_round = loop_settings(cfg)[0]
+        if prompts < per_round:
+            raise ConfigError(f"train_dataloader.batch_size={per_round} prompts per generation round, but each "
+                              f"process has {prompts} prompts: lower the batch size or give more prompts")
+        return prompts // per_round * round_iterations(*loop_settings(cfg))
 
     def _batches(self) -> RolloutBatches:
         return RolloutBatches(self, self._iter)

@@ -151,3 +151,13 @@ def test_max_dataset_length_keeps_a_seeded_subset_and_counts_the_rest(tmp_path, 
     b, _ = run_prompt_pipeline(source(tmp_path, rows), tiny_tokenizer, 20, max_dataset_length=4, seed=1)
     assert a[ROW_COLUMN] == b[ROW_COLUMN] and len(a) == 4
     assert report.dropped == {"not in the max_dataset_length subset": 6}
+
+
+def test_a_prompt_config_that_asks_for_validation_is_refused_in_one_line():
+    from sfttool.config.validate import validate_config
+    cfg = dict(model=dict(type="GRPO"), optim_wrapper=dict(optimizer=dict(lr=1e-4)), train_cfg=dict(max_epochs=1),
+               train_dataloader=dict(batch_size=1, dataset=dict(type=build_prompt_dataset)), val_ratio=0.1)
+    assert validate_config(cfg, "grpo.py") == [
+        "grpo.py: val_ratio: online RL (GRPO) has no validation yet (the validation loop measures the SFT token loss "
+        "of answers, and prompts have none); remove val_ratio (or set them to None)"]
+    assert validate_config(dict(cfg, val_ratio=None), "grpo.py") == []

@@ -148,3 +148,28 @@ def test_a_function_failing_only_on_the_whole_batch_says_so():
     with pytest.raises(R.RewardError, match="failed on a batch of 3 completions \\(each alone passes\\): "
                                             "RuntimeError: out of memory"):
         score(batch_only)
+
+
+def test_a_reward_model_trained_by_sfttool_scores_completions_as_sfttool_score_does(tiny_llama_dir, tiny_tokenizer,
+                                                                                   tmp_path):
+    """RewardModelReward renders each prompt + completion as `sfttool score` renders a prompt + answer (the
+    training config's template and reward token, saved beside the adapter), for both prompt forms."""
+    from test_preference import perturb
+    from test_preference_reward import make_reward
+
+    from sfttool.tools.score import RewardModelReward, score_pair
+    model = make_reward(tiny_llama_dir, lora=True, reward_token_id=2)
+    perturb(model.llm, seed=10, scale=0.2)
+    adapter = tmp_path / "adapter"
+    model.llm.save_pretrained(adapter)
+    tiny_tokenizer.save_pretrained(adapter)
+    (adapter / "sfttool_config.py").write_text(
+        "prompt_template = dict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])\nmodel = dict(reward_token_id=2)\n")
+    (reward,) = R.resolve_reward_funcs([dict(type=RewardModelReward, model_path=str(tiny_llama_dir),
+                                             adapter=str(adapter))])
+    assert reward.name == "reward_model"
+    got = reward.fn(prompts=[[{"role": "user", "content": "Is the sky blue?"}], "Is the sky blue?"],
+                    completions=[[{"role": "assistant", "content": "Yes, on a clear day."}], "No."], solution=[1, 2])
+    chosen, rejected = score_pair(str(tiny_llama_dir), "Is the sky blue?", "Yes, on a clear day.", "No.",
+                                  adapter=str(adapter))
+    assert got == pytest.approx([chosen, rejected], abs=1e-6) and chosen != rejected
