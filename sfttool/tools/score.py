@@ -61,7 +61,8 @@ def load_scorer(model_path, adapter=None, prompt_template: str | None = None, hf
     return model.eval(), tokenizer, template, token
 
 
-def score_answers(model, tokenizer, template, token: int | None, messages: list[dict], answers: list[str]) -> list[float]:
+def score_answers(model, tokenizer, template, token: int | None, messages: list[dict],
+                  answers: list[str]) -> list[float]:
     """The score of each answer to the conversation ``messages`` (ending with a user message), each encoded
     exactly as the reward model's training data was and ended with its reward token."""
     import torch

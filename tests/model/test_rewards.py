@@ -31,7 +31,8 @@ def test_names_functions_dotted_paths_and_typed_dicts_resolve():
 
 @pytest.mark.parametrize("funcs,weights,message", [
     (["acuracy"], None, "model.reward_funcs[0]: unknown reward 'acuracy'; built-ins: accuracy, format, length "
-                        "(did you mean 'accuracy'?), or give a function, a dotted path 'pkg.module.fn' or a typed dict"),
+                        "(did you mean 'accuracy'?), or give a function, a dotted path 'pkg.module.fn' or a typed "
+                        "dict"),
     ([3], None, "model.reward_funcs[0]: a reward function must be callable (prompts, completions, **columns) -> list "
                 "of floats, got 3"),
     (["no_such_pkg.fn"], None, "model.reward_funcs[0]: cannot import 'no_such_pkg.fn'"),
@@ -79,7 +80,8 @@ def test_fallback_answer_extraction():
     assert R.final_answer("steps\n#### 1,234\nbye") == "1,234"
     assert R.final_answer("so the answer is 12.") == "12"
     assert R.final_answer("no digits here") is None
-    assert R.same_answer("1,000", "1000.0") and R.same_answer("\\frac{3}{4}", "0.75") and R.same_answer("$x+1$", "x + 1")
+    assert R.same_answer("1,000", "1000.0") and R.same_answer("\\frac{3}{4}", "0.75")
+    assert R.same_answer("$x+1$", "x + 1")
     assert not R.same_answer("0.5", "0.51")
 
 
