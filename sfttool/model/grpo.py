@@ -58,6 +58,9 @@ class GRPO(SupervisedFinetune):
         max_packed_length: tokens per packed row of a micro-batch (None: the whole micro-batch in one row).
         stop_token_ids: token ids that end a completion, besides the tokenizer's EOS and the model's
             generation-config EOS ids.
+        vllm_gpu_memory_utilization, vllm_max_model_len, vllm_enable_sleep_mode: the vLLM engine's share of
+            the GPU memory, context length (None: the model's) and whether it frees its memory while training
+            runs (``sfttool.model.rollout_vllm``).
     """
 
     build_args_lazily = ("llm", "ref_llm")
@@ -66,6 +69,7 @@ class GRPO(SupervisedFinetune):
                  temperature=1.0, top_p=1.0, rollout_engine="hf", beta=0.0, epsilon=0.2, epsilon_high=None,
                  loss_type="dapo", importance_sampling_level="token", scale_rewards="group",
                  mask_truncated_completions=False, ref_llm=None, max_packed_length=None, stop_token_ids=(),
+                 vllm_gpu_memory_utilization=0.3, vllm_max_model_len=None, vllm_enable_sleep_mode=False,
                  **sft_args):
         check_grpo_args(num_generations, max_completion_length, temperature, top_p, beta, epsilon, epsilon_high,
                         loss_type, importance_sampling_level, scale_rewards, max_packed_length)
@@ -90,6 +94,11 @@ class GRPO(SupervisedFinetune):
         self.ref_llm = None
         if self.beta > 0 and not self.use_lora:
             self.ref_llm = self._build_reference(ref_llm, sft_args.get("max_position_embeddings"))
+        self.vllm_options = dict(gpu_memory_utilization=vllm_gpu_memory_utilization, max_model_len=vllm_max_model_len,
+                                 enable_sleep_mode=vllm_enable_sleep_mode)
+        if rollout_engine == "vllm":
+            from sfttool.model.rollout_vllm import check_vllm_model
+            check_vllm_model(self.llm)
         self._engine = None
 
     def _build_reference(self, ref_llm: Any, max_position_embeddings: Any):
@@ -112,7 +121,7 @@ class GRPO(SupervisedFinetune):
         if self._engine is None:
             if self.rollout_engine == "vllm":
                 from sfttool.model.rollout_vllm import VLLMRollout
-                self._engine = VLLMRollout(self, self.stop_ids)
+                self._engine = VLLMRollout(self, self.stop_ids, **self.vllm_options)
             else:
                 self._engine = HFRollout(self.tokenizer, self.stop_ids)
         self._engine.synced_gpus = synced_gpus

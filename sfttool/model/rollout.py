@@ -41,7 +41,9 @@ class Completions:
 
 
 def completion_uniforms(seed: int, keys: Sequence[Sequence[int]], length: int) -> torch.Tensor:
-    """``[len(keys), length]`` float64 uniforms in [0, 1): row i from ``default_rng([seed, *keys[i]])``."""
+    """``[len(keys), length]`` float64 uniforms in [0, 1): row i from ``default_rng([seed, *keys[i]])`` (a
+    negative seed taken modulo 2**64: numpy seeds with non-negative integers)."""
+    seed %= 2 ** 64
     return torch.from_numpy(np.stack([np.random.default_rng([seed, *key]).random(length) for key in keys]))
 
 
@@ -56,7 +58,7 @@ def sample_from_uniforms(logits: torch.Tensor, uniforms: torch.Tensor, temperatu
         drop = sorted_probs.cumsum(dim=-1) <= 1 - top_p
         drop[:, -1] = False  # the most likely token always stays
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-    cdf = probs.double().cumsum(dim=-1)  # [B, vocab]
+    cdf = probs.cumsum(dim=-1)  # [B, vocab] float32: one scan a step, as cheap as transformers' multinomial
     target = uniforms.to(cdf) * cdf[:, -1]
     return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
 

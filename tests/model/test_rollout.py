@@ -132,3 +132,45 @@ def test_vllm_without_vllm_or_a_gpu_is_refused_before_training(make_grpo):
     assert str(err.value) == expected
     with pytest.raises(ConfigBuildError, match="model.rollout_engine must be one of hf, vllm, got 'sglang'"):
         RO.check_rollout_engine("sglang")
+
+
+def test_the_vllm_engine_gets_the_merged_weights_under_the_checkpoints_names(make_grpo, tiny_qwen2_dir):
+    """What the vllm engine loads into vLLM (vLLM itself needs a GPU: benchmarks/gpu_check.sh runs it): every
+    parameter of the base checkpoint, by its name there, the adapter merged in."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.model.rollout_vllm import merged_weights
+    model = make_grpo()
+    with torch.no_grad():
+        for name, param in model.llm.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    prompts = prompts_of(model.tokenizer, "hi")
+    model.llm.merge_adapter()
+    try:
+        weights = {name: value.clone() for name, value in merged_weights(model.llm)}  # views: unmerge restores them
+    finally:
+        model.llm.unmerge_adapter()
+    checkpoint = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    assert weights.keys() == dict(checkpoint.named_parameters()).keys()
+    checkpoint.load_state_dict(weights)
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        torch.testing.assert_close(checkpoint(input_ids=ids).logits, model.llm(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_outputs_become_completions_through_their_stop_token():
+    from types import SimpleNamespace
+
+    from sfttool.model.rollout_vllm import VLLMRollout, completion_seed
+    engine = VLLMRollout(SimpleNamespace(llm=torch.nn.Linear(2, 2)), stop_ids=[2, 9])
+
+    def out(ids, reason, stop=None):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason, stop_reason=stop)])
+
+    got = engine._completions([out([5, 6, 2], "stop"), out([5, 6], "stop", 9), out([5, 6], "stop"),
+                               out([5, 6, 7, 8], "length")], max_new_tokens=4)
+    assert got.ids == [[5, 6, 2], [5, 6, 9], [5, 6, 2], [5, 6, 7, 8]] and got.truncated == [False, False, False, True]
+    assert completion_seed(42, (0, 5, 1)) == completion_seed(42, (0, 5, 1)) != completion_seed(42, (0, 5, 2))
+    assert 0 <= completion_seed(42, (3, 10**6, 7)) < 2**31
