@@ -127,8 +127,9 @@ def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
 @pytest.mark.slow
 def test_rollout_benchmark(tmp_path):
     out = tmp_path / "rollout.json"
-    proc = run([sys.executable, str(BENCH / "rollout.py"), "--model", "tiny", "--prompts", "2", "--num-generations", "2",
-                "--max-completion-length", "8", "--micro-batch-size", "2", "--repeats", "1", "--out", str(out)], tmp_path)
+    proc = run([sys.executable, str(BENCH / "rollout.py"), "--model", "tiny", "--prompts", "2",
+                "--num-generations", "2", "--max-completion-length", "8", "--micro-batch-size", "2", "--repeats", "1",
+                "--out", str(out)], tmp_path)
     assert "vs direct" in proc.stdout and "generation's share of a step" in proc.stdout
     report = json.loads(out.read_text())
     assert report["benchmark"] == "rollout" and report["engine"] == "hf" and report["completions_per_round"] == 4
