@@ -24,11 +24,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sfttool.dataset.chat_targets import render, template_kwargs
+from sfttool.dataset.encode import batch_token_ids, chat_renderer, encode_prompt
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, examples, where
 from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, change_lines
-from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name
-from sfttool.registry import build_if_config
+from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name, template_of
+from sfttool.registry import build_if_config, type_name
+from sfttool.utils.templates import PROMPT_TEMPLATE, chat_template_options, is_hf_chat_template
 
 PROMPT_OVERFLOW = ("error", "truncate", "drop")
 DROP_TOO_LONG = "prompt longer than max_prompt_length"
@@ -101,9 +104,6 @@ def turns_of(messages: list[dict], row: int | None = None, source: str | None = 
 def render_prompt(messages: list[dict], tokenizer, template: Any, row: int | None = None) -> str | list[int]:
     """The text the chat template renders with the generation prompt (HF chat-template mode), or the ids
     of an XTuner template's rendering."""
-    from sfttool.dataset.chat_targets import render, template_kwargs
-    from sfttool.dataset.encode import chat_renderer, encode_prompt
-    from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     if is_hf_chat_template(template):
         options = chat_template_options(template)
         return render(chat_renderer(tokenizer, options), messages, True, row=row, **template_kwargs(messages, options))
@@ -113,7 +113,6 @@ def render_prompt(messages: list[dict], tokenizer, template: Any, row: int | Non
 def encode_prompts(prompts: Sequence[Any], rows: Sequence[int], tokenizer, template: Any,
                    source: str | None = None, system: str | None = None) -> list[list[int]]:
     """Token ids of each prompt as generation continues from it (texts tokenized in one call)."""
-    from sfttool.dataset.encode import batch_token_ids
     rendered = [render_prompt(prompt_messages(p, r, source, system), tokenizer, template, r)
                 for p, r in zip(prompts, rows)]
     texts = [i for i, r in enumerate(rendered) if isinstance(r, str)]
@@ -173,8 +172,6 @@ def run_prompt_pipeline(dataset, tokenizer, max_prompt_length: int, dataset_map_
                         prompt_overflow="error", system=None, max_dataset_length=None, split="train",
                         num_proc=None, seed=0, source=None, keep_stages=False):
     """All stages in order; returns ``(dataset, PromptReport)``."""
-    from sfttool.dataset.resolve import template_of
-    from sfttool.utils.templates import PROMPT_TEMPLATE
     check_positive_int(max_prompt_length, "max_prompt_length")
     if prompt_overflow not in PROMPT_OVERFLOW:
         raise DatasetError(f"prompt_overflow must be one of {', '.join(PROMPT_OVERFLOW)}, got {prompt_overflow!r}")
@@ -246,7 +243,6 @@ def validation_problems(cfg: Any, path: str) -> list[str]:
     """A prompt (online RL) config that asks for validation: one line naming the keys. The validation loop
     measures the SFT token loss of answers, which prompts do not have; it is refused rather than run or
     silently skipped."""
-    from sfttool.registry import type_name
     dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
     if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_prompt_dataset"):
         return []

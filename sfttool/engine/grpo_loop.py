@@ -31,8 +31,10 @@ from mmengine.dist import all_gather_object, all_reduce, get_rank, is_main_proce
 from mmengine.logging import print_log
 
 from sfttool.config import ConfigError
+from sfttool.engine.preflight import accumulative_counts
 from sfttool.engine.rollouts import Round, RoundSpec, build_round, format_group, write_groups
 from sfttool.engine.runner import TrainLoop, _ResumableBatches, unwrap_model
+from sfttool.engine.tracking import add_text
 from sfttool.model.grpo import STATS_PREFIX
 from sfttool.registry import BUILDER
 
@@ -69,7 +71,6 @@ def check_loop_config(cfg: Any) -> None:
 
 def loop_settings(cfg: Any) -> tuple[int, int, int, int, int]:
     """``(prompts per round, num_generations, micro_batch_size, num_iterations, accumulative_counts)`` of a config."""
-    from sfttool.engine.preflight import accumulative_counts
     prompts = int(cfg.train_dataloader.get("batch_size", 1))
     generations = int((cfg.get("model") or {}).get("num_generations", 8))
     loop = cfg.train_cfg
@@ -241,7 +242,6 @@ class GRPOLoop(TrainLoop):
                   logger="current")
         if not self.dry_run:
             write_groups(self.runner.work_dir, step + 1, groups)
-            from sfttool.engine.tracking import add_text
             add_text(getattr(self.runner, "visualizer", None), "completions", text, step + 1)
 
     # -- iterations -------------------------------------------------------

@@ -20,13 +20,16 @@ import copy
 import logging
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from sfttool.dataset.pack import best_fit_decreasing
 from sfttool.model import grpo_loss as G
 from sfttool.model.build import build_llm
 from sfttool.model.loss import IGNORE_INDEX, shift_targets
 from sfttool.model.rewards import accuracy_backend, resolve_reward_funcs
 from sfttool.model.rollout import HFRollout, SamplingSettings, check_rollout_engine, stop_ids_of
+from sfttool.model.rollout_vllm import VLLMRollout, check_vllm_model
 from sfttool.model.sft import SupervisedFinetune
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
 
@@ -97,7 +100,6 @@ class GRPO(SupervisedFinetune):
         self.vllm_options = dict(gpu_memory_utilization=vllm_gpu_memory_utilization, max_model_len=vllm_max_model_len,
                                  enable_sleep_mode=vllm_enable_sleep_mode)
         if rollout_engine == "vllm":
-            from sfttool.model.rollout_vllm import check_vllm_model
             check_vllm_model(self.llm)
         self._engine = None
 
@@ -120,7 +122,6 @@ class GRPO(SupervisedFinetune):
         """The rollout engine (built on first use: vLLM needs the device the run trains on)."""
         if self._engine is None:
             if self.rollout_engine == "vllm":
-                from sfttool.model.rollout_vllm import VLLMRollout
                 self._engine = VLLMRollout(self, self.stop_ids, **self.vllm_options)
             else:
                 self._engine = HFRollout(self.tokenizer, self.stop_ids)
@@ -236,9 +237,6 @@ def rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
     >>> rollout_batch([[5, 6]], [[7, 2]], torch.zeros(1), torch.ones(1), 0)['labels'].tolist()
     [[-100, -100, 7, 2]]
     """
-    import numpy as np
-
-    from sfttool.dataset.pack import best_fit_decreasing
     lengths = np.array([len(p) + len(c) for p, c in zip(prompts, completions)], dtype=np.int64)
     bins = [list(range(len(lengths)))] if max_packed_length is None else \
         best_fit_decreasing(lengths, max(int(max_packed_length), int(lengths.max())))

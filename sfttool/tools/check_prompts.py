@@ -9,22 +9,24 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.load import check_json_file
+from sfttool.dataset.prompts import (build_prompt_dataset, prompt_messages, reward_columns,
+                                     run_prompt_pipeline)
+from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.stages import SafeMapFn
+from sfttool.registry import build_if_config, resolve_type
 from sfttool.tools.check_dataset import Echo, Findings, _guard, _short, collect_row_errors, pipeline_args
 
 SHOWN_PROMPTS = 3
 
 
 def is_prompt_node(node: Any) -> bool:
-    from sfttool.dataset.prompts import build_prompt_dataset
-    from sfttool.registry import resolve_type
     return isinstance(node, dict) and "type" in node and \
         resolve_type(node["type"], "train_dataloader.dataset.type") is build_prompt_dataset
 
 
 def check_prompt_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the prompt checks on every row; list the first errors."""
-    from sfttool.dataset.prompts import prompt_messages
-    from sfttool.dataset.stages import SafeMapFn
     safe = SafeMapFn(map_fn, source) if map_fn is not None else None
 
     def check(row: dict, index: int) -> None:
@@ -70,10 +72,6 @@ def print_prompt_stats(dataset, report, args: dict, batch_size: int | None, echo
 def check_prompts(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
                   batch_size: int | None) -> None:
     """All checks and printouts for one build_prompt_dataset node."""
-    from sfttool.dataset.load import check_json_file
-    from sfttool.dataset.prompts import build_prompt_dataset, reward_columns, run_prompt_pipeline
-    from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
-    from sfttool.registry import build_if_config
     args = pipeline_args(node, build_prompt_dataset)
     errors_before = len(findings.errors)
     for file in json_source_files(args["dataset"]):
