@@ -143,3 +143,30 @@ def test_dry_run_generates_scores_and_shows_one_group(grpo_config, tmp_path, cap
     assert shown.count("prompt (row ") == 1 and shown.count("--- completion ") == 4
     assert "advantage" in shown and "What is" in shown
     assert not work.exists() or not any(work.iterdir())  # a dry run keeps nothing
+
+
+@pytest.mark.parametrize("args,message", [
+    ((4, 8, 6, 1, 1), "train_cfg.micro_batch_size=6: a generation round of 4 prompts x 8 completions = 32 "
+                      "completions per process is not a whole number of micro-batches; set micro_batch_size to a "
+                      "divisor of 32"),
+    ((4, 8, 8, 1, 3), "optim_wrapper.accumulative_counts=3: a generation round has 4 micro-batches of 8 completions, "
+                      "not a whole number of optimizer steps; set accumulative_counts to a divisor of 4 (or change "
+                      "train_dataloader.batch_size, the prompts per round)"),
+    ((4, 8, 8, 0, 1), "train_cfg.num_iterations must be a positive integer (μ), got 0"),
+])
+def test_a_round_must_be_whole_micro_batches_and_optimizer_steps(args, message):
+    from sfttool.config import ConfigError
+    from sfttool.engine.grpo_loop import round_iterations
+    with pytest.raises(ConfigError) as err:
+        round_iterations(*args)
+    assert str(err.value) == message
+    assert round_iterations(4, 8, 8, 2, 2) == 8  # 4 micro-batches, passed over twice
+
+
+def test_the_config_check_names_the_setting_before_anything_is_built(grpo_config):
+    from sfttool.config import ConfigError, load_config
+    from sfttool.engine.preflight import check_config
+    cfg = load_config(str(grpo_config(batch_size=3)))
+    with pytest.raises(ConfigError, match="train_cfg.micro_batch_size=3: a generation round of 2 prompts x 4 "
+                                          "completions = 8 completions per process"):
+        check_config(cfg)
