@@ -182,9 +182,9 @@ class GRPOLoop(TrainLoop):
         if not callable(getattr(self.model, "generate_completions", None)):
             raise ConfigError(f"train_cfg.type=GRPOLoop trains a model that samples and scores completions "
                               f"(model.type=GRPO), not {type(self.model).__name__}; use TrainLoop")
-        prompts, generations, micro, _, accumulation = loop_settings(runner.cfg)
+        prompts, _, _, _, accumulation = loop_settings(runner.cfg)
         prompts = int(self.dataloader.batch_size or prompts)
-        self.micro_batch_size = int(micro_batch_size or prompts * generations)
+        self.micro_batch_size = int(micro_batch_size or prompts * self.model.num_generations)
         self.iterations_per_round = round_iterations(prompts, self.model.num_generations, self.micro_batch_size,
                                                      num_iterations, accumulation)
         self.steps_per_round = self.iterations_per_round // accumulation
