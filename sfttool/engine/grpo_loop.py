@@ -197,8 +197,8 @@ class GRPOLoop(TrainLoop):
     @staticmethod
     def iterations_per_epoch(cfg: Any, prompts: int) -> int:
         """Iterations of an epoch of ``prompts`` prompts per process: its whole rounds' (a last batch with fewer
-        prompts than a round is left for the next epoch's order, as TRL leaves it). The runner's schedule in
-        epochs converts with it."""
+        prompts than a round is left out of the epoch, as TRL leaves it). The runner's schedule in epochs
+        converts with it."""
         per_round = loop_settings(cfg)[0]
         if prompts < per_round:
             raise ConfigError(f"train_dataloader.batch_size={per_round} prompts per generation round, but each "
