@@ -170,3 +170,25 @@ def test_the_config_check_names_the_setting_before_anything_is_built(grpo_config
     with pytest.raises(ConfigError, match="train_cfg.micro_batch_size=3: a generation round of 2 prompts x 4 "
                                           "completions = 8 completions per process"):
         check_config(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1", "qwen3_8b_lora_grpo_math_e1"])
+def test_a_builtin_grpo_config_dry_runs_on_tiny_assets(name, tmp_path, tiny_qwen2_dir, prompts_jsonl, capsys):
+    """The shipped dicts fit the real components: the prompt data (GSM8K's layout; MATH's for Qwen3), the model
+    with its rewards (4-bit on this CPU for QLoRA), the loop; PART 1 settings from the command line."""
+    from sfttool import assets
+    from sfttool.engine.train import train
+
+    data = prompts_jsonl
+    if "math" in name:
+        rows = [{"problem": f"What is {a} + {a}?", "solution": f"$\\boxed{{{2 * a}}}$"} for a in range(8)]
+        data = assets.write_jsonl(tmp_path / "math.jsonl", rows)
+    options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={data}", "data_subset=None",
+               "max_completion_length=6", "generation_batch_size=4", "num_generations=2", "batch_size=2",
+               "accumulative_counts=2", "model.llm.dtype=float32", "evaluation_max_new_tokens=4",
+               "max_packed_length=256"]
+    train(name, work_dir=str(tmp_path / "work"), cfg_options=options, dry_run=True, verbose=True)
+    shown = capsys.readouterr()
+    text = (shown.out + shown.err).split("Completions sampled for optimizer step 1")[1]
+    assert text.count("--- completion ") == 2 and "prompt (row " in text
