@@ -4,7 +4,7 @@ completion's final number is the sum (`accuracy`). Each generation round samples
 of each of 2 questions and makes one optimizer step; 40 rounds = 1 epoch.
 
 Measured (2026-12-03): the mean reward rises from 0.41 over steps 1-10 to 0.73 over steps
-31-40, the same in each of four runs (sampling is seeded), while the completions shorten from
+31-40, the same in each of three runs (sampling is seeded), while the completions shorten from
 14.4 to 8.4 tokens on average; the greedy answer to "What is 4 + 5?" goes from "To add 4 and 5,
 you simply add them together." to "4 + 5 = 9". 1 min 48 s on an otherwise idle 2-core CPU
 (3.4 CPU-minutes, about half of each step spent generating), the model export cached; 26 to
