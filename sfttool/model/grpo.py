@@ -17,11 +17,11 @@ copy of the starting weights for full fine-tuning).
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from mmengine.logging import print_log
 
 from sfttool.dataset.pack import best_fit_decreasing
 from sfttool.model import grpo_loss as G
@@ -33,7 +33,6 @@ from sfttool.model.rollout_vllm import VLLMRollout, check_vllm_model
 from sfttool.model.sft import SupervisedFinetune
 from sfttool.registry import BUILDER, ConfigBuildError, build_if_config
 
-logger = logging.getLogger(__name__)
 
 # Per-micro-batch sums the model returns beside the loss; the loop adds them up over the optimizer step.
 STATS_PREFIX = "stats/"
@@ -83,8 +82,8 @@ class GRPO(SupervisedFinetune):
         self.tokenizer = build_if_config(tokenizer, "model.tokenizer")
         super().__init__(llm, tokenizer=self.tokenizer, **sft_args)
         self.rewards = resolve_reward_funcs(reward_funcs, reward_weights, max_completion_length)
-        if any(r.name == "accuracy" for r in self.rewards):
-            logger.info("accuracy reward: compares final answers with %s", accuracy_backend())
+        if any(r.name == "accuracy" for r in self.rewards):  # in the run's log: which verifier the rewards used
+            print_log(f"accuracy reward: compares final answers with {accuracy_backend()}", logger="current")
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
         self.temperature, self.top_p, self.rollout_engine = float(temperature), float(top_p), rollout_engine
         self.beta, self.epsilon_low = float(beta), float(epsilon)

@@ -64,6 +64,8 @@ def test_logged_metrics_are_each_steps_exact_values(grpo_config, tmp_path, capsy
             in line)
     log = next(work.glob("*/*.log")).read_text()
     assert "Completions sampled for optimizer step 1 (rewards: letter_e, accuracy):" in log
+    from sfttool.model.rewards import accuracy_backend
+    assert f"accuracy reward: compares final answers with {accuracy_backend()}" in log  # which verifier applies
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
 
 
