@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU readiness check (< 9 min on one H200, no download): sequence-parallel attention (one rank's
+# GPU readiness check (< 12 min on one H200, no download): sequence-parallel attention (one rank's
 # share of the heads over a whole 8k/32k packed row, flash-attention varlen vs SDPA; see
 # benchmarks/sp_attention_check.py), the loss alone (LM head +
 # cross-entropy, unchunked vs chunked vs fused kernels when installed), then LoRA and QLoRA steps of a
 # Llama-3-8B-shaped model with random weights, bf16, SDPA and flash-attention varlen
 # (when installed), packed rows of 2048 and 8192 tokens; prints tokens/s per GPU, MFU
-# and peak memory, writes gpu_check.json to $OUT (or benchmarks/results/).
+# and peak memory, writes gpu_check.json to $OUT (or benchmarks/results/). Online RL: the rollout
+# benchmark (sfttool's generation vs model.generate; the vLLM engine when vllm is installed).
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
 #   bash benchmarks/gpu_check.sh --dry-run        # anywhere: tiny shapes on CPU
@@ -44,5 +45,17 @@ out_dir="${OUT:-benchmarks/results}"
 case " $* " in *" --dry-run "*) sp_args=(--dry-run) ;; *) sp_args=() ;; esac
 timeout 90 "$py" benchmarks/sp_attention_check.py --out "$out_dir/sp_attention_check.json" ${sp_args[@]+"${sp_args[@]}"} \
     || echo "gpu_check: the sequence-parallel attention check failed (exit $?); the model cases run anyway" >&2
+# Online RL rollouts (benchmarks/rollout.py): sfttool's generation round against model.generate called directly,
+# then the vLLM engine (rollout_engine='vllm') when vllm is installed; at most 100 s each, failures reported.
+case " $* " in
+    *" --dry-run "*) rollout_args=(--model tiny --repeats 1) ;;
+    *) rollout_args=(--model qwen2.5-1.5b --prompts 8 --max-completion-length 256 --repeats 2) ;;
+esac
+timeout 100 "$py" benchmarks/rollout.py "${rollout_args[@]}" --out "$out_dir/rollout_hf.json" \
+    || echo "gpu_check: the rollout benchmark failed (exit $?); the model cases run anyway" >&2
+if [ "${rollout_args[1]}" != tiny ] && "$py" -c "import vllm" 2>/dev/null; then
+    timeout 100 "$py" benchmarks/rollout.py "${rollout_args[@]}" --engine vllm --out "$out_dir/rollout_vllm.json" \
+        || echo "gpu_check: the vLLM rollout engine failed (exit $?); the model cases run anyway" >&2
+fi
 # Hard stop below 8 minutes; the script itself skips cases that would start after --budget-s.
 exec timeout 470 "$py" benchmarks/gpu_check.py --out "$out_dir/gpu_check.json" "$@"

@@ -81,6 +81,11 @@ save_total_limit = 2         # keep the newest 2 (-1 keeps all)
 # pairs), at the end of each step that holds a multiple of log_interval iterations (here every step)
 log_interval = 10
 
+# Tracking: 'auto' is TensorBoard when it is installed (pip install 'sfttool[tensorboard]'), else none
+# (the run's summary says which); or a list of 'tensorboard', 'wandb', 'mlflow', [] for none.
+# Every run also writes work_dir/loss.png; `sfttool plot WORK_DIR` draws it for any run.
+report_to = 'auto'
+
 # Sample generations during training
 evaluation_freq = 500        # every 500 iterations, plus before and after training
 evaluation_max_new_tokens = 600   # tokens per sample answer; on a CPU, 40-60 keeps each evaluation short

@@ -124,3 +124,18 @@ def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path / "x.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
+
+
+@pytest.mark.slow
+def test_rollout_benchmark(tmp_path):
+    out = tmp_path / "rollout.json"
+    proc = run([sys.executable, str(BENCH / "rollout.py"), "--model", "tiny", "--prompts", "2",
+                "--num-generations", "2", "--max-completion-length", "8", "--micro-batch-size", "2", "--repeats", "1",
+                "--out", str(out)], tmp_path)
+    assert "vs direct" in proc.stdout and "generation's share of a step" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "rollout" and report["engine"] == "hf" and report["completions_per_round"] == 4
+    assert report["sfttool_tokens_per_s"] > 0 and report["direct_tokens_per_s"] > 0 and report["ratio"] > 0
+    assert 0 < report["generation_share"] < 1
+    (repeat,) = report["repeats"]
+    assert 4 <= repeat["sfttool_tokens"] <= repeat["sfttool_steps"] <= 4 * 8

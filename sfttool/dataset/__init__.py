@@ -9,8 +9,11 @@ from .load import load_json_dataset
 from .mix import mix_datasets
 from .pipeline import process_hf_dataset
 from .preference import build_preference_dataset
+from .prompts import build_prompt_dataset
 
 BUILDER.register_module(name="process_hf_dataset", module=process_hf_dataset, force=True)
 BUILDER.register_module(name="build_preference_dataset", module=build_preference_dataset, force=True)
+BUILDER.register_module(name="build_prompt_dataset", module=build_prompt_dataset, force=True)
 
-__all__ = ["DatasetError", "build_preference_dataset", "load_json_dataset", "mix_datasets", "process_hf_dataset"]
+__all__ = ["DatasetError", "build_preference_dataset", "build_prompt_dataset", "load_json_dataset", "mix_datasets",
+           "process_hf_dataset"]

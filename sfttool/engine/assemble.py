@@ -42,8 +42,8 @@ def build_runner(cfg: Any, spec: RunSpec, model: Any, dataset: Any, validation: 
     """The runner of ``spec``'s run: the config's loop, data loader, schedule, optimizer and hooks, the
     built ``model`` and ``dataset``, and ``validation`` (the Runner's val_* arguments, or {})."""
     setup_sequence_parallel(spec.sequence_parallel_size, model)  # before the sampler and the loop read the ranks
-    per_epoch = iters_per_epoch(spec, dataset)
-    loop = train_loop_cfg(cfg)
+    per_epoch = iters_per_epoch(cfg, spec, dataset)
+    loop = train_loop_cfg(cfg, spec.dry_run)
     full_run = total_iters(loop, per_epoch)
     default_hooks, custom_hooks = hooks(cfg, spec, spec.this_run_iters(full_run))
     common = dict(
@@ -84,16 +84,23 @@ def dataloader_cfg(cfg: Any, dataset: Any, key: str = "train_dataloader") -> dic
     return dl
 
 
-def iters_per_epoch(spec: RunSpec, dataset: Any) -> int:
+def iters_per_epoch(cfg: Any, spec: RunSpec, dataset: Any) -> int:
     """Micro-batches per epoch per rank (mmengine's ``DefaultSampler`` pads to equal shares; the ranks of a
     sequence-parallel group share theirs)."""
     share = -(-len(dataset) // get_data_parallel_world_size())
+    own = getattr(train_loop_cfg(cfg)["type"], "iterations_per_epoch", None)  # GRPOLoop: its generation rounds'
+    if own is not None:
+        return int(own(cfg, share))
     return max(1, -(-share // spec.batch_size))
 
 
-def train_loop_cfg(cfg: Any) -> dict:
+def train_loop_cfg(cfg: Any, dry_run: bool = False) -> dict:
+    """``train_cfg`` with its type resolved; a loop that shows a dry run its own way (``accepts_dry_run``)
+    is told about ``--dry-run``."""
     loop = dict(cfg.train_cfg)
     loop["type"] = resolve_type(loop["type"], "train_cfg.type") if "type" in loop else TrainLoop
+    if dry_run and getattr(loop["type"], "accepts_dry_run", False):
+        loop["dry_run"] = True
     return loop
 
 

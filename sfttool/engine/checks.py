@@ -34,9 +34,11 @@ from sfttool.config.arguments import typed_nodes
 from sfttool.config.settings import setting
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
+from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
 from sfttool.dataset.streaming import StreamingPackedDataset, refuse_changed_results
 from sfttool.dataset.streaming import check_settings as check_stream_settings
 from sfttool.engine.deepspeed import deepspeed_config
+from sfttool.engine.grpo_loop import check_loop_config
 from sfttool.engine.launch import CHECKED_BY_LAUNCHER
 from sfttool.engine.preflight import check_work_dir, resolve_resume, resolve_work_dir, warn
 from sfttool.engine.spec import TrainOptions, accumulative_counts, validation_enabled
@@ -60,6 +62,9 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     found.errors += [ConfigError(line) for line in validate_config(cfg, cfg.filename)]
     _collect(found.errors, check_trackers, cfg)
     found.errors += [ConfigError(line) for line in preference_validation_problems(cfg, cfg.filename)]
+    found.errors += [ConfigError(line) for line in prompt_validation_problems(cfg, cfg.filename)]
+    if type_name((cfg.get("train_cfg") or {}).get("type")) == "GRPOLoop":  # its rounds fit its steps
+        _collect(found.errors, check_loop_config, cfg)
     found.errors += dataset_setting_problems(cfg)
     found.errors += sequence_parallel_problems(cfg, world_size)
     if options.deepspeed:

@@ -247,7 +247,7 @@ class TrainLoop(IterBasedTrainLoop):
     def run(self):
         self.runner.call_hook("before_train")
         self.runner.call_hook("before_train_epoch")
-        self.dataloader_iterator = _ResumableBatches(self.dataloader, self._iter)
+        self.dataloader_iterator = self._batches()
         # Restore RNG last, after the before_train hooks (a generation hook may
         # run there) and the data fast-forward, so the next iteration draws
         # exactly what it drew in the uninterrupted run.
@@ -281,6 +281,10 @@ class TrainLoop(IterBasedTrainLoop):
         shown = self._step_metrics.reduce() if step_ends else {}
         self.runner.call_hook("after_train_iter", batch_idx=self._iter, data_batch=data_batch, outputs=shown)
         self._iter += 1
+
+    def _batches(self) -> Iterator:
+        """The micro-batches from iteration ``self._iter`` on (a loop over generated data gives its own)."""
+        return _ResumableBatches(self.dataloader, self._iter)
 
     def _next_batch(self) -> dict:
         """The next micro-batch, with the step-wide ``loss_normalizer`` set."""

@@ -104,7 +104,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
     trained, total = count_parameters(model)
     batch, accum, world_size = spec.batch_size, spec.accumulation, spec.world_size
     rows, tokens = len(dataset), dataset_tokens(dataset)
-    per_epoch = iters_per_epoch(spec, dataset)
+    per_epoch = iters_per_epoch(cfg, spec, dataset)
     full = total_iters(train_loop_cfg(cfg), per_epoch)
     iterations = spec.this_run_iters(full)
     # The ranks of one sequence-parallel group share each row: rows per step grow with the groups.

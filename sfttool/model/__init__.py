@@ -8,5 +8,7 @@ from sfttool.model.sft import SupervisedFinetune
 from sfttool.model.dpo import DPO
 from sfttool.model.orpo import ORPO
 from sfttool.model.reward import RewardModel
+from sfttool.model.grpo import GRPO
 
-__all__ = ["DPO", "ORPO", "RewardModel", "SupervisedFinetune", "build_llm", "find_linear_names", "to_torch_dtype"]
+__all__ = ["DPO", "GRPO", "ORPO", "RewardModel", "SupervisedFinetune", "build_llm", "find_linear_names",
+           "to_torch_dtype"]

@@ -242,12 +242,13 @@ class SupervisedFinetune(BaseModel):
         return targets, keep, position_ids
 
     def trained_token_log_probs(self, data: dict, keep: torch.Tensor, targets: torch.Tensor,
-                                llm: Any = None) -> torch.Tensor:
+                                llm: Any = None, temperature: float = 1.0) -> torch.Tensor:
         """``log p(target)`` of each trained position, [n] float32 in row-major order, for ``self.llm``
         or another ``llm`` (a frozen reference copy) run through the same packed forward. ``keep``
         [batch, seq] marks the positions, ``targets`` [n] holds their targets. Like the training loss
         the head runs over ``loss_chunk_size`` positions at a time where the model allows it, so a
-        row's [n, vocab] logits never exist."""
+        row's [n, vocab] logits never exist. ``temperature`` divides the logits first (the sampling
+        distribution of online RL); 1 leaves them untouched."""
         llm = self.llm if llm is None else llm
         parts = self._lm_parts(llm)
         # chunked_token_log_probs keeps the head's weight until backward: a ZeRO-3 partitioned head
@@ -256,12 +257,15 @@ class SupervisedFinetune(BaseModel):
                                                             and is_partitioned(parts.head.weight)):
             hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
             with gathered(parts.head.weight, parts.head.bias):
-                return chunked_token_log_probs(hidden, parts.head.weight, parts.head.bias, targets,
-                                               self.loss_chunk_size)
+                bias = parts.head.bias
+                if temperature != 1:  # (h W^T + b) / T = (h / T) W^T + b / T
+                    hidden, bias = hidden / temperature, None if bias is None else bias / temperature
+                return chunked_token_log_probs(hidden, parts.head.weight, bias, targets, self.loss_chunk_size)
         logits = self._run_llm(data, logits_to_keep=keep, llm=llm)
         if logits.dim() == 3:  # the model ignored logits_to_keep: select here
             logits = logits[keep]
-        return -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+        logits = logits.float() if temperature == 1 else logits.float() / temperature
+        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
     def summed_row_losses(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of the batch: the summed token cross-entropy (float64) and the trained-token

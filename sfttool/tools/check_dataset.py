@@ -33,6 +33,7 @@ from sfttool.dataset.stages import map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type
 from sfttool.tools.check_preference import check_preference, is_preference_node
+from sfttool.tools.check_prompts import check_prompts, is_prompt_node
 from sfttool.tools.check_source import load_every_row, load_trained_part
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, finish, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
@@ -211,6 +212,8 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
     if is_preference_node(node):
         check_preference(node, findings, max_errors, echo, color, batch_size)
+    elif is_prompt_node(node):
+        check_prompts(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
         for i, part in enumerate(parts):

@@ -1,5 +1,5 @@
-"""Loss curves from a run's own scalars: train loss (raw and smoothed), validation loss and learning
-rate against optimizer steps.
+"""Loss curves from a run's own scalars: train loss (raw and smoothed), validation loss, learning rate
+and (online RL) the mean reward against optimizer steps.
 
 mmengine's ``LocalVisBackend`` appends one JSON line per log to
 ``WORK_DIR/<timestamp>/vis_data/scalars.json``: train lines carry ``loss`` (the logged optimizer step's
@@ -39,6 +39,7 @@ class RunCurves:
     train: dict[int, float] = field(default_factory=dict)  # step -> loss
     lr: dict[int, float] = field(default_factory=dict)
     val: dict[int, float] = field(default_factory=dict)
+    reward: dict[int, float] = field(default_factory=dict)  # online RL: the step's mean reward
 
 
 def scalar_files(path: str | Path) -> list[Path]:
@@ -71,7 +72,8 @@ def read_run(path: str | Path, name: str | None = None) -> RunCurves:
             if not isinstance(step, (int, float)):
                 continue
             x = math.ceil(step / per_step)  # the optimizer step the iteration belongs to
-            for key, curve in (("loss", run.train), ("lr", run.lr), ("val/loss", run.val)):
+            for key, curve in (("loss", run.train), ("lr", run.lr), ("val/loss", run.val),
+                               ("reward", run.reward)):
                 value = record.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     curve[x] = float(value)
@@ -100,6 +102,16 @@ def smooth(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
+def _plot_rewards(ax, runs: list[RunCurves]) -> None:
+    """Online RL's mean reward per optimizer step (thin) and its trailing mean (thick)."""
+    for i, run in enumerate(runs):
+        steps = sorted(run.reward)
+        values = [run.reward[s] for s in steps]
+        ax.plot(steps, values, color=f"C{i}", alpha=0.3, linewidth=0.8)
+        ax.plot(steps, smooth(values, smoothing_window(len(values))), color=f"C{i}", linewidth=2, label=run.name)
+    ax.set_ylabel("mean reward")
+
+
 def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | None = None):
     """Draw the runs' curves into ``output`` (PNG); returns the matplotlib figure."""
     import matplotlib
@@ -107,7 +119,12 @@ def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | No
     import matplotlib.pyplot as plt
 
     runs = [read_run(p, names[i] if names else None) for i, p in enumerate(paths)]
-    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    rewards = any(run.reward for run in runs)
+    fig, axes = plt.subplots(3 if rewards else 2, 1, figsize=(9, 10 if rewards else 7), sharex=True,
+                             height_ratios=(3, 2, 1) if rewards else (3, 1))
+    loss_ax, lr_ax = axes[0], axes[-1]
+    if rewards:
+        _plot_rewards(axes[1], runs)
     smoothed = False
     for i, run in enumerate(runs):
         color = f"C{i}"

@@ -34,7 +34,10 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1",
                  # long context: sequence parallelism (docs/long_context.md)
-                 "qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3"}
+                 "qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3",
+                 # online RL from rewards (docs/rl.md)
+                 "demo_smollm2_135m_lora_grpo_addition_e1", "qwen2_5_7b_instruct_lora_grpo_gsm8k_e1",
+                 "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1", "qwen3_8b_lora_grpo_math_e1"}
 FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
     "qwen2_5_0_5b_instruct": ("qwen_chat", False),
     "qwen2_5_1_5b_instruct": ("qwen_chat", False),
@@ -209,12 +212,13 @@ REFERENCE = CONFIG_DIR / "qwen2_5_7b_instruct_qlora_alpaca_e3.py"
 # The families of configs that share PART 3-5, by the model class of PART 2, and the config each
 # family is pinned to. SFT; DPO and ORPO (the method, its loss and reference model are PART 1-2
 # settings); reward models (a score head: the data ends every sequence with the reward token,
-# and there is nothing to generate).
+# and there is nothing to generate); online RL (GRPO: prompts, generation rounds).
 PART_3_TO_5_REFERENCES = {
     "SupervisedFinetune": REFERENCE,
     "DPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
     "ORPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
     "RewardModel": CONFIG_DIR / "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1.py",
+    "GRPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1.py",
 }
 
 
@@ -234,7 +238,7 @@ def test_parts_3_to_5_are_the_same_in_every_builtin_config_of_a_family(path):
 def test_the_families_have_different_references():
     # Two references that were equal would be one family: keep the mapping honest.
     texts = {ref: _parts_3_to_5(ref) for ref in PART_3_TO_5_REFERENCES.values()}
-    assert len(set(texts.values())) == len(texts) == 3
+    assert len(set(texts.values())) == len(texts) == 4
 
 
 def _chat_hooks(cfg) -> list[dict]:

@@ -3,9 +3,16 @@ fixtures, make samples, pack them and pad them as the data pipeline does."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Test modules may import each other's reference implementations (test_grpo imports test_grpo_loss's).
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 500, lengths=(5, 17)) -> list[dict]:
@@ -88,3 +95,23 @@ def tiny_tied_qwen2_dir(tmp_path_factory, tiny_qwen2_dir):
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_qwen2_dir).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def make_grpo(tiny_qwen2_dir):
+    """``make_grpo(lora=True, **kwargs)`` -> a float32 GRPO on the tiny Qwen2 (rewards: 'format' unless given)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sfttool.model import GRPO
+
+    def _make(lora=True, seed=0, **kwargs):
+        torch.manual_seed(seed)  # LoRA init is random
+        llm = dict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=str(tiny_qwen2_dir),
+                   dtype="float32", attn_implementation="sdpa")
+        kwargs.setdefault("reward_funcs", ["format"])
+        kwargs.setdefault("use_activation_checkpointing", False)
+        adapter = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM") if lora else None
+        return GRPO(llm=llm, tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir), lora=adapter, **kwargs)
+
+    return _make

@@ -150,24 +150,29 @@ def test_sfttool_merge_of_a_reward_adapter_gives_a_sequence_classifier(tiny_llam
     assert_close(scores, [plain_score(merged, pair[side][0]) for pair in pairs for side in ("chosen", "rejected")])
 
 
-def test_sfttool_score_scores_a_pair_as_training_encoded_it(tiny_llama_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("token", ["other", "pad"])
+def test_sfttool_score_scores_a_pair_as_training_encoded_it(tiny_llama_dir, tiny_tokenizer, tmp_path, token):
+    """Also where the reward token is the tokenizer's pad token (a sequence classifier alone would read
+    the score one token early, at the last token that is not the pad token)."""
     from click.testing import CliRunner
 
     from sfttool.cli.main import cli
     from sfttool.dataset.collate_fns import preference_collate_fn
-    model = make_reward(tiny_llama_dir, lora=True, reward_token_id=2)
+    reward_token = 2 if token == "other" else tiny_tokenizer.pad_token_id
+    assert reward_token is not None and (token == "other") == (reward_token != tiny_tokenizer.pad_token_id)
+    model = make_reward(tiny_llama_dir, lora=True, reward_token_id=reward_token)
     perturb(model.llm, seed=10, scale=0.2)
     adapter = tmp_path / "adapter"
     model.llm.save_pretrained(adapter)
     tiny_tokenizer.save_pretrained(adapter)
     # What the run saves beside its adapter: the training config (template and reward token).
     (adapter / "sfttool_config.py").write_text(
-        "prompt_template = dict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])\nmodel = dict(reward_token_id=2)\n")
+        f"prompt_template = dict(HF_CHAT_TEMPLATE=True, STOP_WORDS=[])\nmodel = dict(reward_token_id={reward_token})\n")
     row = {"prompt": [{"role": "user", "content": "Is the sky blue?"}],
            "chosen": [{"role": "assistant", "content": "Yes, on a clear day."}],
            "rejected": [{"role": "assistant", "content": "No."}]}
     ds = build_preference_dataset(Dataset.from_list([row]), tiny_tokenizer, max_length=64, is_reward=True,
-                                  reward_token_id=2, pack_to_max_length=False)
+                                  reward_token_id=reward_token, pack_to_max_length=False)
     want = model.sequence_scores(preference_collate_fn([ds[0]])["data"]).tolist()
 
     result = CliRunner().invoke(cli, ["score", str(tiny_llama_dir), "--adapter", str(adapter),

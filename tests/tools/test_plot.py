@@ -116,3 +116,17 @@ def test_cli_without_scalars_is_a_one_line_error(tmp_path):
                                      "during training); give the work dir of a run started with `sfttool train`")
     with pytest.raises(PlotError):
         read_run(tmp_path)
+
+
+def test_an_online_rl_run_gets_a_reward_curve(tmp_path):
+    """GRPO logs the step's mean reward with the step's last micro-batch: a third axis between loss and lr."""
+    work = tmp_path / "grpo"
+    write_run(work / "20260103_000000", [dict(train(2, 0.01), reward=0.25), dict(train(4, -0.02), reward=0.5),
+                                         dict(train(6, 0.0), reward=0.75)], accumulative_counts=2)
+    assert read_run(work).reward == {1: 0.25, 2: 0.5, 3: 0.75}
+    fig = plot_runs([work], tmp_path / "rl.png")
+    loss_ax, reward_ax, lr_ax = fig.axes
+    raw, smoothed = reward_ax.lines
+    assert list(raw.get_xdata()) == [1, 2, 3] and list(raw.get_ydata()) == [0.25, 0.5, 0.75]
+    assert list(smoothed.get_ydata()) == pytest.approx(smooth([0.25, 0.5, 0.75], smoothing_window(3)))
+    assert reward_ax.get_ylabel() == "mean reward" and lr_ax.get_xlabel() == "optimizer step"

@@ -19,6 +19,7 @@ from .oasst1_map_fn import oasst1_map_fn
 from .openai_map_fn import openai_map_fn
 from .openorca_map_fn import openorca_map_fn
 from .pretrain_map_fn import pretrain_map_fn
+from .reasoning_prompt_map_fns import gsm8k_map_fn, math_map_fn
 from .preference_map_fns import (intel_orca_dpo_map_fn, orpo_dpo_mix_40k_map_fn, preference_strings_map_fn,
                                  ultrafeedback_binarized_map_fn)
 from .sharegpt_map_fn import sharegpt_map_fn
@@ -35,4 +36,5 @@ __all__ = [
     "oasst1_map_fn", "openai_map_fn", "openorca_map_fn", "pretrain_map_fn", "sharegpt_map_fn", "sql_map_fn",
     "stack_exchange_map_fn", "tiny_codes_map_fn", "wizardlm_map_fn",
     "intel_orca_dpo_map_fn", "orpo_dpo_mix_40k_map_fn", "preference_strings_map_fn", "ultrafeedback_binarized_map_fn",
+    "gsm8k_map_fn", "math_map_fn",
 ]

@@ -34,9 +34,11 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-# Preference training's figure of progress, shown beside the loss: the step's mean reward margin
-# (chosen minus rejected).
-SHOWN_SCALARS = (("margin", "train/rewards/margins"),)
+# Shown beside the loss, each the last optimizer step's value: preference training's mean reward margin
+# (chosen minus rejected); online RL's (GRPO) mean reward, KL, mean completion length and fraction of
+# clipped tokens.
+SHOWN_SCALARS = (("margin", "train/rewards/margins"), ("reward", "train/reward"), ("kl", "train/kl"),
+                 ("len", "train/completions/mean_length"), ("clip", "train/clip_ratio/region_mean"))
 
 
 def progress_line(done: int, total: int, loss: float | None, lr: float | None, tokens_per_s: float | None,
