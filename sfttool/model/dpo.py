@@ -1,9 +1,12 @@
 """``DPO``: direct preference optimisation and its variants (XTuner 0.2's name, arguments and module).
 
 The reference model: with LoRA/QLoRA it is the base model with the adapter
-switched off (peft's ``disable_adapter()``), so no second copy is held; with
-full fine-tuning it is a frozen copy of the starting weights, or ``ref_llm``
-loaded from another path. Reference-free losses (``simpo``) hold none.
+switched off (peft's ``disable_adapter()``), so no second copy is held; a LoRA
+run that continues an adapter (``peft_model``) compares against a frozen copy of
+that adapter (``reference='initial_adapter'``, the default) or the base model
+(``reference='base'``); with full fine-tuning it is a frozen copy of the
+starting weights, or ``ref_llm`` loaded from another path. Reference-free
+losses (``simpo``) hold none.
 """
 from __future__ import annotations
 
@@ -15,13 +18,19 @@ import torch
 
 from sfttool.model import preference_loss as P
 from sfttool.model import preference_precompute as pre
+from sfttool import compat
 from sfttool.model.build import build_llm
+from sfttool.model.lora import adapter_active, add_frozen_copy
 from sfttool.model.preference import PairwiseModel, check_args
 from sfttool.model.preference_precompute import REF_COLUMN
 from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER, ConfigBuildError
 
 logger = logging.getLogger(__name__)
+
+# What a LoRA run that continues an adapter (``peft_model``) compares against.
+REFERENCES = ("initial_adapter", "base")
+REFERENCE_ADAPTER = "reference"  # the peft adapter name of the frozen starting adapter
 
 
 @BUILDER.register_module()
@@ -41,13 +50,20 @@ class DPO(PairwiseModel):
         precompute_ref_log_probs: compute the reference log-probs once, in a pass over the
             training set before the first step (``prepare_train_data``), instead of a reference
             forward in every step; the frozen reference copy of a full fine-tune is freed after it.
+        reference: with LoRA and ``peft_model`` (a run continuing an adapter): ``'initial_adapter'``
+            (default) compares against a frozen copy of that adapter as it starts, so the policy starts
+            as the reference; ``'base'`` against the base model without any adapter. Without
+            ``peft_model`` both are the starting model.
     """
 
     build_args_lazily = ("llm", "ref_llm")
 
     def __init__(self, llm, ref_llm=None, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5,
-                 precompute_ref_log_probs=False, **sft_args):
+                 precompute_ref_log_probs=False, reference="initial_adapter", **sft_args):
         check_args(loss_type, beta, label_smoothing)
+        if reference not in REFERENCES:
+            raise ConfigBuildError(f"model.reference must be one of {', '.join(map(repr, REFERENCES))}, got "
+                                   f"{reference!r}")
         if not isinstance(precompute_ref_log_probs, bool):
             raise ConfigBuildError(f"model.precompute_ref_log_probs must be True or False, got "
                                    f"{precompute_ref_log_probs!r}")
@@ -59,14 +75,27 @@ class DPO(PairwiseModel):
         self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
         self.precompute_ref_log_probs = precompute_ref_log_probs
         self.reference_freed = False  # the pre-pass freed the frozen copy: batches must bring ref_logps
-        self.ref_llm = None
+        self.ref_llm, self.reference_adapter = None, None
+        if loss_type == "sigmoid" and label_smoothing > 0:
+            compat.inform(f"model.label_smoothing={label_smoothing} with loss_type='sigmoid': the loss is cDPO's "
+                          "-(1-ε) log σ(βh) - ε log σ(-βh), as in XTuner (TRL 1.16 ignores label_smoothing for "
+                          "'sigmoid'; see docs/preference.md)")
         if loss_type in P.REFERENCE_FREE:
             return
         if not self.use_lora:
             self.ref_llm = self._build_reference(ref_llm, sft_args.get("max_position_embeddings"))
         elif sft_args.get("peft_model") is not None:
-            logger.warning("model.peft_model with LoRA: the reference is the base model without any adapter; "
-                           "to compare against the SFT model, merge its adapter into the base first")
+            self._reference_for_continued_adapter(reference, sft_args["peft_model"])
+
+    def _reference_for_continued_adapter(self, reference: str, peft_model: Any) -> None:
+        if reference == "base":
+            logger.warning("model.reference='base' with model.peft_model: the reference is the base model without "
+                           "any adapter, so the loss at step 0 is not ln 2 and DPO also pulls the model back toward "
+                           "the base; reference='initial_adapter' compares against the adapter as it starts")
+            return
+        add_frozen_copy(self.llm, REFERENCE_ADAPTER)  # adapter-sized: the base weights are shared
+        self.reference_adapter = REFERENCE_ADAPTER
+        logger.info("the reference is a frozen copy of the starting adapter (model.peft_model=%s)", peft_model)
 
     def _build_reference(self, ref_llm: Any, max_position_embeddings: Any):
         if ref_llm is None:
@@ -87,6 +116,9 @@ class DPO(PairwiseModel):
     def reference_logps(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ref_llm is not None:
             return self.sequence_logps(data, self.ref_llm)
+        if self.reference_adapter is not None:
+            with adapter_active(self.llm, self.reference_adapter):
+                return self.sequence_logps(data)
         with self.llm.disable_adapter():
             return self.sequence_logps(data)
 
@@ -117,6 +149,9 @@ class DPO(PairwiseModel):
         if self.ref_llm is not None:
             self.ref_llm, self.reference_freed = None, True  # its one use is over: no second copy in training
             pre.release_memory()
+        if self.reference_adapter is not None:  # likewise the frozen starting adapter
+            self.llm.delete_adapter(self.reference_adapter)
+            self.reference_adapter, self.reference_freed = None, True
         return dataset
 
     def pair_logps(self, data: dict) -> dict[str, torch.Tensor | None]:

@@ -44,7 +44,9 @@ def write_hf_folder(model: Any, tokenizer: Any, cfg: Any, save_dir: str | Path, 
     llm = model.llm
     with output_folder(save_dir, error) as tmp, _kv_cache_on(llm):
         if is_peft(llm):  # the adapter keeps the dtype its weights trained in, as peft saves it
-            llm.save_pretrained(str(tmp), safe_serialization=safe_serialization)
+            # the trained adapter only (not a frozen reference copy DPO may hold beside it)
+            llm.save_pretrained(str(tmp), safe_serialization=safe_serialization,
+                                selected_adapters=[llm.active_adapter])
         else:  # in the dtype the config named (a run on CPU trains in float32)
             save_model(llm, tmp, safe_serialization=safe_serialization, max_shard_size=max_shard_size,
                        dtype=_config_dtype(cfg))

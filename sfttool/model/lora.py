@@ -8,8 +8,10 @@ function would also upcast every bf16 weight to float32.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -66,3 +68,35 @@ def load_adapter_folder(peft_llm: torch.nn.Module, path: str | os.PathLike) -> N
     if unexpected:
         raise ConfigBuildError(f"model.peft_model: {path} holds weights this adapter does not have, "
                                f"e.g. {unexpected[:3]}; was it trained with the same LoRA settings and base model?")
+
+
+def add_frozen_copy(peft_llm: Any, name: str) -> None:
+    """Add to ``peft_llm`` an adapter ``name`` holding a frozen copy of its active adapter's weights
+    as they are now (e.g. the adapter a run continues from, kept as DPO's reference). The active
+    adapter, and which parameters train, stay as they were."""
+    source = peft_llm.active_adapter
+    config = copy.deepcopy(peft_llm.peft_config[source])
+    config.inference_mode = True  # peft freezes an adapter added in inference mode
+    peft_llm.add_adapter(name, config)
+    params = dict(peft_llm.named_parameters())
+    with torch.no_grad():
+        for key, param in params.items():
+            if f".{name}." in key:
+                param.copy_(params[key.replace(f".{name}.", f".{source}.")])
+                param.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def adapter_active(peft_llm: Any, name: str) -> Iterator[None]:
+    """Run ``peft_llm`` with the adapter ``name`` instead of the active one. peft's ``set_adapter``
+    also changes which adapter's parameters require gradients; every flag is put back afterwards,
+    so the trained adapter keeps training."""
+    before = peft_llm.active_adapter
+    flags = [(param, param.requires_grad) for param in peft_llm.parameters()]
+    peft_llm.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        peft_llm.set_adapter(before)
+        for param, flag in flags:
+            param.requires_grad_(flag)
