@@ -35,8 +35,10 @@ from sfttool.assets import builtin_data_file, export_smollm2
 from sfttool.dataset import build_preference_dataset
 from sfttool.dataset.collate_fns import preference_collate_fn
 from sfttool.dataset.data_path import load_data_path
-from sfttool.engine.hooks import DatasetInfoHook, ThroughputHook
+from sfttool.dataset.split import validation_split
+from sfttool.engine.hooks import DatasetInfoHook, EarlyStoppingHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
+from sfttool.engine.validation import PairValMetric, ValLoop
 from sfttool.model import RewardModel
 from sfttool.utils import PROMPT_TEMPLATE
 
@@ -67,6 +69,19 @@ reward_token_id = 0          # <|endoftext|>: never inside a turn of SmolLM2's c
                              # token (2), which transformers' sequence classifier skips when it reads the score
 penalty_type = 'log_barrier'  # keeps the scores within (-5, 5); or 'L2' or None
 penalty_weight = 0.01
+
+# Validation: a seeded share of the pairs held out before packing (val_ratio), or pairs of their own
+# (val_data_path); val/loss, val/accuracy and val/scores/margins are means over every held-out pair.
+val_data_path = None         # a file, folder, glob or hub name (the data_path rules); wins over val_ratio
+val_data_split = 'train'     # the split of val_data_path ('train' for a local file)
+val_ratio = None             # e.g. 0.1: 5 of the 52 pairs (the demo trains on all of them)
+max_val_rows = None
+val_interval = 24            # optimizer steps between validations (one epoch); one more at the end
+best_metric = 'val/loss'     # or 'val/accuracy': what save_best and early stopping watch
+best_metric_rule = 'less'    # lower is better; 'greater' for 'val/accuracy'
+early_stopping_patience = None   # stop after this many validations without improvement (None: never)
+early_stopping_min_delta = 0.0   # an improvement must beat the best by more than this
+export_best = False          # True: the end-of-training HF export holds the best validation's weights
 
 # Scheduler & optimizer
 batch_size = 1               # rows per step
@@ -122,7 +137,9 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=build_preference_dataset,
-    dataset=dict(type=load_data_path, path=data_path),
+    dataset=dict(type=validation_split, dataset=dict(type=load_data_path, path=data_path), part='train',
+                 val_ratio=val_ratio, max_val_rows=max_val_rows, val_data_path=val_data_path, seed=seed,
+                 split=data_split, val_split=val_data_split),
     split=data_split,
     tokenizer=tokenizer,
     max_length=max_length,
@@ -142,8 +159,13 @@ train_dataloader = dict(
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
     collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
-# No validation: the validation loop measures the SFT token loss, which says nothing about
-# how well the model scores chosen over rejected.
+# The held-out pairs go through the same encoding and packing (PART 1's val_* settings).
+val_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
+    collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
 ###############################################################################
 #                    PART 4  Scheduler & Optimizer                            #
@@ -165,7 +187,10 @@ param_scheduler = [
          begin=warmup_ratio * max_epochs, end=max_epochs),
 ]
 
-train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+# val_interval counts optimizer steps; the loop counts iterations (accumulative_counts per step).
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=PairValMetric)   # the mean loss and rewards over every held-out pair
 
 ###############################################################################
 #                            PART 5  Runtime                                  #
@@ -175,6 +200,8 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 custom_hooks = [
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(type=ThroughputHook),
+    dict(type=EarlyStoppingHook, patience=early_stopping_patience, min_delta=early_stopping_min_delta,
+         monitor=best_metric, rule=best_metric_rule),
 ]
 
 # Timer, lr scheduler and sampler-seed hooks come from _base_/runtime.py; the logger
@@ -183,7 +210,8 @@ default_hooks = dict(
     base_hooks,
     logger=dict(base_hooks['logger'], interval=log_interval),
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
-                    max_keep_ckpts=save_total_limit))
+                    max_keep_ckpts=save_total_limit,
+                    save_best=best_metric, rule=best_metric_rule))   # best_<metric>_iter_N.pth, outside the rotation
 
 randomness = dict(seed=seed, deterministic=False)
 # env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

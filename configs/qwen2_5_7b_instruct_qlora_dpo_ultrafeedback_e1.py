@@ -28,8 +28,10 @@ from sfttool.dataset import build_preference_dataset
 from sfttool.dataset.collate_fns import preference_collate_fn
 from sfttool.dataset.data_path import load_data_path
 from sfttool.dataset.map_fns import ultrafeedback_binarized_map_fn
-from sfttool.engine.hooks import DatasetInfoHook, EvaluateChatHook, ThroughputHook
+from sfttool.dataset.split import validation_split
+from sfttool.engine.hooks import DatasetInfoHook, EarlyStoppingHook, EvaluateChatHook, ThroughputHook
 from sfttool.engine.runner import TrainLoop
+from sfttool.engine.validation import PairValMetric, ValLoop
 from sfttool.model import DPO
 from sfttool.utils import PROMPT_TEMPLATE
 
@@ -59,6 +61,19 @@ loss_type = 'sigmoid'        # or robust, hinge, ipo, kto_pair, sppo_hard, nca_p
 beta = 0.1                   # KL strength: smaller lets the policy move further from the reference
 label_smoothing = 0.0
 precompute_ref_log_probs = False  # True: one reference pass before training, steps skip its forward
+
+# Validation: a seeded share of the pairs held out before packing (val_ratio), or pairs of their own
+# (val_data_path); val/loss, val/rewards/accuracies and val/rewards/margins are means over every held-out pair.
+val_data_path = None         # a file, folder, glob or hub name (the data_path rules); wins over val_ratio
+val_data_split = 'test_prefs' # the split of val_data_path (its held-out pairs; 'train' for a local file)
+val_ratio = 0.01             # 1% of the pairs ...
+max_val_rows = 200           # ... at most 200: each validation costs ~200 pairs' forward passes
+val_interval = 100           # optimizer steps between validations; one more at the end
+best_metric = 'val/loss'     # or 'val/rewards/accuracies': what save_best and early stopping watch
+best_metric_rule = 'less'    # lower is better; 'greater' for 'val/rewards/accuracies'
+early_stopping_patience = None   # stop after this many validations without improvement (None: never)
+early_stopping_min_delta = 0.0   # an improvement must beat the best by more than this
+export_best = False          # True: the end-of-training HF export holds the best validation's weights
 
 # Scheduler & optimizer
 batch_size = 1               # packed rows per device per iteration
@@ -122,7 +137,9 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=build_preference_dataset,
-    dataset=dict(type=load_data_path, path=data_path),
+    dataset=dict(type=validation_split, dataset=dict(type=load_data_path, path=data_path), part='train',
+                 val_ratio=val_ratio, max_val_rows=max_val_rows, val_data_path=val_data_path, seed=seed,
+                 split=data_split, val_split=val_data_split),
     split=data_split,
     tokenizer=tokenizer,
     max_length=max_length,
@@ -140,8 +157,13 @@ train_dataloader = dict(
     sampler=dict(type=DefaultSampler, shuffle=True, seed=seed),
     collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
-# No validation: the validation loop measures the SFT token loss, which says nothing about
-# how well the model ranks chosen over rejected.
+# The held-out pairs go through the same encoding and packing (PART 1's val_* settings).
+val_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=dict(train_dataset, dataset=dict(train_dataset['dataset'], part='val')),
+    sampler=dict(type=DefaultSampler, shuffle=False),
+    collate_fn=dict(type=preference_collate_fn, use_varlen_attn=use_varlen_attn))
 
 ###############################################################################
 #                    PART 4  Scheduler & Optimizer                            #
@@ -163,7 +185,10 @@ param_scheduler = [
          begin=warmup_ratio * max_epochs, end=max_epochs),
 ]
 
-train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+# val_interval counts optimizer steps; the loop counts iterations (accumulative_counts per step).
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs, val_interval=val_interval * accumulative_counts)
+val_cfg = dict(type=ValLoop)
+val_evaluator = dict(type=PairValMetric)   # the mean loss and rewards over every held-out pair
 
 ###############################################################################
 #                            PART 5  Runtime                                  #
@@ -176,6 +201,8 @@ custom_hooks = [
          evaluation_inputs=evaluation_inputs, system=SYSTEM, prompt_template=prompt_template,
          max_new_tokens=evaluation_max_new_tokens),
     dict(type=ThroughputHook),
+    dict(type=EarlyStoppingHook, patience=early_stopping_patience, min_delta=early_stopping_min_delta,
+         monitor=best_metric, rule=best_metric_rule),
 ]
 
 # Timer, lr scheduler and sampler-seed hooks come from _base_/runtime.py; the logger
@@ -184,7 +211,8 @@ default_hooks = dict(
     base_hooks,
     logger=dict(base_hooks['logger'], interval=log_interval),
     checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=save_steps,
-                    max_keep_ckpts=save_total_limit))
+                    max_keep_ckpts=save_total_limit,
+                    save_best=best_metric, rule=best_metric_rule))   # best_<metric>_iter_N.pth, outside the rotation
 
 randomness = dict(seed=seed, deterministic=False)
 # env_cfg, visualizer, log_level, load_from, resume, log_processor: _base_/runtime.py

@@ -44,13 +44,15 @@ def split_indices(rows: int, count: int, seed: int) -> tuple[np.ndarray, np.ndar
 
 @BUILDER.register_module()
 def validation_split(dataset: Any, part: str, val_ratio: float | None = None, val_data_path: Any = None,
-                     max_val_rows: int | None = None, seed: int = 0, split: str = "train"):
+                     max_val_rows: int | None = None, seed: int = 0, split: str = "train",
+                     val_split: str | None = None):
     """One part of the raw rows: ``part='train'`` the rows to train on, ``part='val'`` the rows to
     validate on. ``val_data_path`` (read by the ``data_path`` rules: a hub name, a local file, a
-    folder or a glob) wins over ``val_ratio``; with neither, 'train' is every row."""
+    folder or a glob) wins over ``val_ratio``; with neither, 'train' is every row. ``split`` is the
+    split of ``dataset`` and, unless ``val_split`` names another, of ``val_data_path``."""
     _check(part, val_ratio, max_val_rows)
     if part == "val" and val_data_path:
-        return load_validation_data(val_data_path, split)
+        return load_validation_data(val_data_path, val_split or split)
     if part == "val" and not val_ratio:
         raise DatasetError("validation_split(part='val') needs val_data_path or val_ratio; set one in PART 1 "
                            "of the config (or remove val_dataloader)")

@@ -4,8 +4,8 @@ dataset or model exists, and every problem reported at once.
     report(run_checks(cfg, options, world_size))     # raises when the run cannot start
 
 What each rule compares: the config's own keys (``config.validate``: required keys, argument names,
-data files); the trackers ``report_to`` names against what is installed; preference training against
-validation; each dataset builder's settings against each other (its own checks, run early);
+data files); the trackers ``report_to`` names against what is installed; a preference config's validation
+(its loader, loss type and evaluator); each dataset builder's settings against each other (its own checks, run early);
 ``sequence_parallel_size`` against the sampler, validation, a streamed dataset, the model
 type and the number of processes; the ``--deepspeed`` preset against the optimizer wrapper and the
 batch; ``--resume`` against the work dir and ``--deepspeed``; the work dir itself (checked last: it is
@@ -41,7 +41,7 @@ from sfttool.engine.deepspeed import deepspeed_config
 from sfttool.engine.grpo_loop import check_loop_config
 from sfttool.engine.launch import CHECKED_BY_LAUNCHER
 from sfttool.engine.preflight import check_work_dir, resolve_resume, resolve_work_dir, warn
-from sfttool.engine.spec import TrainOptions, accumulative_counts, validation_enabled
+from sfttool.engine.spec import TrainOptions, accumulative_counts, trains_on_pairs, validation_enabled
 from sfttool.engine.tracking import check_trackers
 from sfttool.errors import SfttoolError
 from sfttool.model.sft import SupervisedFinetune
@@ -104,19 +104,28 @@ def _collect(errors: list, check: Callable, *args: Any, **kwargs: Any) -> None:
 # The rules.
 
 def preference_validation_problems(cfg: Any, path: str) -> list[str]:
-    """A preference config that asks for validation: one line naming the keys (validation measures
-    the SFT token loss, which says nothing about how a model ranks chosen over rejected, so it is
-    refused rather than run or silently skipped)."""
-    cfg = getattr(cfg, "_cfg_dict", cfg)  # a loaded Config is not a dict; its ConfigDict is
-    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
-    if not isinstance(dataset, dict) or not type_name(dataset.get("type")).endswith("build_preference_dataset"):
+    """A preference config's validation: PART 1's ``val_ratio`` / ``val_data_path`` need a ``val_dataloader``
+    to act on; ``kto_pair`` cannot give a held-out loss (its KL baseline is a micro-batch mean, so the loss
+    of a pair depends on the batch it is in); the evaluator is the pairs' (``PairValMetric``), not SFT's
+    token loss. One line each."""
+    if not trains_on_pairs(cfg):
         return []
-    keys = [k for k in ("val_ratio", "val_data_path", "val_dataloader") if cfg.get(k)]
-    if not keys:
-        return []
-    return [f"{path}: {', '.join(keys)}: preference training has no validation yet (the validation loop measures "
-            f"the SFT token loss, not how the model ranks chosen over rejected); remove {' and '.join(keys)} "
-            "(or set them to None)"]
+    problems = []
+    asked = [k for k in ("val_ratio", "val_data_path") if cfg.get(k)]
+    if asked and cfg.get("val_dataloader") is None:
+        problems.append(f"{path}: {', '.join(asked)}: the config has no val_dataloader to validate with; add the "
+                        "validation lines of a built-in DPO config (val_dataloader, val_cfg, val_evaluator: see "
+                        f"docs/preference.md) or remove {' and '.join(asked)}")
+    if not validation_enabled(cfg):
+        return problems
+    if (cfg.get("model") or {}).get("loss_type") == "kto_pair":
+        problems.append(f"{path}: model.loss_type='kto_pair' has no held-out loss (its KL baseline is the mean over "
+                        "a micro-batch, so a pair's loss depends on its batch): set val_ratio = 0 and val_data_path "
+                        "= None, or choose another loss_type")
+    if type_name((cfg.get("val_evaluator") or {}).get("type")).endswith("ValLossMetric"):
+        problems.append(f"{path}: val_evaluator: ValLossMetric measures the SFT token loss; a preference run "
+                        "validates with val_evaluator = dict(type=PairValMetric) (from sfttool.engine.validation)")
+    return problems
 
 
 def _check_pipeline(a: dict) -> None:

@@ -133,6 +133,13 @@ def accumulative_counts(cfg: Any) -> int:
     return (cfg.get("optim_wrapper") or {}).get("accumulative_counts") or 1
 
 
+def trains_on_pairs(cfg: Any) -> bool:
+    """The training set is built by ``build_preference_dataset`` (DPO, ORPO, reward models)."""
+    cfg = getattr(cfg, "_cfg_dict", cfg)  # a loaded Config is not a dict; its ConfigDict is
+    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {}) if isinstance(cfg, dict) else {}
+    return isinstance(dataset, dict) and type_name(dataset.get("type")).endswith("build_preference_dataset")
+
+
 def validation_enabled(cfg: Any) -> bool:
     """A ``val_dataloader`` is set, and -- in a config with PART 1's ``val_data_path`` / ``val_ratio`` --
     one of them gives it rows."""

@@ -114,7 +114,7 @@ def run(cfg: Any, spec: RunSpec) -> None:
             check_checkpoint_fits(spec.resume_from, model)  # another model's checkpoint: one line, now
         prepare_data = getattr(model, "prepare_train_data", None)
         if prepare_data is not None:  # a pass over the data the model needs first (DPO's precomputed reference)
-            dataset = prepare_data(dataset, cfg.get("optim_wrapper"))
+            dataset = _prepared(prepare_data, dataset, validation, cfg.get("optim_wrapper"))
     with _scratch_work_dir(spec) as runner_spec:
         runner = build_runner(cfg, runner_spec, model, dataset, validation)
         replay_setup_log(runner, records)
@@ -124,6 +124,16 @@ def run(cfg: Any, spec: RunSpec) -> None:
         if not spec.dry_run:
             restore_best_weights(runner, spec)  # export_best: the HF export holds the best validation's weights
             save_hf(runner, cfg, spec.work_dir)
+
+
+def _prepared(prepare_data: Any, dataset: Any, validation: dict, optim_wrapper: Any) -> Any:
+    """The training set after the model's pass over it; the validation set (in ``validation``'s
+    loader) gets the same pass, in the same call, before the model frees what the pass used."""
+    if not validation:
+        return prepare_data(dataset, optim_wrapper)
+    loader = validation["val_dataloader"]
+    dataset, loader["dataset"] = prepare_data(dataset, optim_wrapper, val_dataset=loader["dataset"])
+    return dataset
 
 
 @contextlib.contextmanager

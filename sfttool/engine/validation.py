@@ -1,4 +1,5 @@
-"""Validation loss: the mean cross-entropy over every trained token of the validation set.
+"""Validation: the mean cross-entropy over every trained token of the validation set (SFT), or the
+mean loss, rewards and accuracy over every held-out pair (preference models).
 
 mmengine's machinery, with the loss kept exact:
 
@@ -9,6 +10,12 @@ mmengine's machinery, with the loss kept exact:
   are packed or batched. mmengine's ``DefaultSampler`` deals rows to ranks in turn and pads the last
   round with repeats; ``BaseMetric`` collects the rows back in dataset order and drops the repeats,
   so 2 processes sum the very same rows, in the same order, as 1.
+
+- Preference models (``DPO``, ``ORPO``, ``RewardModel``) give, per row, one dict per pair: its loss and
+  the values training shows beside it (``PairwiseModel.validation_rows``). ``PairValMetric`` averages
+  each over every held-out pair: ``val/loss``, ``val/rewards/accuracies``, ``val/rewards/margins``, ...
+  (a reward model's ``val/accuracy``, ``val/scores/margins``, ...). Pair-weighted and summed with
+  ``math.fsum``, so packing, batch size and process count change nothing but rounding in the forward.
 
 The Runner gets ``val_dataloader`` / ``val_cfg`` / ``val_evaluator`` from ``validation_runner_args``;
 ``TrainLoop`` runs the loop every ``val_interval`` iterations and once at the end.
@@ -31,7 +38,7 @@ from mmengine.runner.base_loop import BaseLoop
 from sfttool.engine.assemble import dataloader_cfg
 from sfttool.engine.processes import build_dataset_rank0_first
 from sfttool.engine.runner import unwrap_model
-from sfttool.engine.spec import RunSpec
+from sfttool.engine.spec import RunSpec, trains_on_pairs
 from sfttool.errors import SfttoolError
 from sfttool.registry import BUILDER, resolve_type
 from sfttool.utils.checkpoint_file import find_best_checkpoint, load_checkpoint
@@ -66,6 +73,19 @@ class ValLossMetric(BaseMetric):
         rows = [row for round_ in itertools.zip_longest(*parts) for row in round_ if row is not None][:size]
         self.results.clear()
         return {f"{self.prefix}/{k}": v for k, v in self.compute_metrics(rows).items()}
+
+
+@BUILDER.register_module()
+class PairValMetric(ValLossMetric):
+    """The mean of each per-pair value (``val/loss``, ``val/rewards/accuracies``, ...) over every held-out
+    pair, from rows of per-pair dicts (``PairwiseModel.validation_rows``)."""
+
+    def compute_metrics(self, results: list) -> dict:
+        pairs = [pair for row in results for pair in row]
+        if not pairs:
+            raise ValidationError("the validation set has no pair; give validation rows with pairs "
+                                  "(val_data_path / val_ratio)")
+        return {name: math.fsum(pair[name] for pair in pairs) / len(pairs) for name in pairs[0]}
 
 
 @BUILDER.register_module()
@@ -109,8 +129,7 @@ class ValLoop(MMValLoop):
         model = unwrap_model(self.runner.model)
         data = model.data_preprocessor(data_batch, False)["data"]  # to the model's device
         with self._autocast(model):
-            sums, tokens = model.summed_row_losses(data)
-        outputs = list(zip(sums.tolist(), tokens.tolist()))
+            outputs = validation_rows(model, data)
         self.evaluator.process(data_samples=outputs, data_batch=data_batch)
         self.runner.call_hook("after_val_iter", batch_idx=idx, data_batch=data_batch, outputs=outputs)
 
@@ -125,6 +144,16 @@ class ValLoop(MMValLoop):
         return torch.autocast(device_type=device, dtype=dtype)
 
 
+def validation_rows(model: Any, data: dict) -> list:
+    """One result per row of the batch: a preference model's per-pair dicts (``validation_rows``), else
+    an SFT model's ``(summed token loss, trained tokens)``."""
+    per_pair = getattr(model, "validation_rows", None)
+    if per_pair is not None:
+        return per_pair(data)
+    sums, tokens = model.summed_row_losses(data)
+    return list(zip(sums.tolist(), tokens.tolist()))
+
+
 def validation_runner_args(cfg: Any, spec: RunSpec) -> dict:
     """The Runner's ``val_dataloader`` (its dataset built, rank 0 first, as the training set),
     ``val_cfg`` and ``val_evaluator``; {} when the run validates nothing."""
@@ -133,11 +162,13 @@ def validation_runner_args(cfg: Any, spec: RunSpec) -> dict:
     dataset = build_dataset_rank0_first(cfg.val_dataloader.dataset)
     if len(dataset) == 0:
         raise ValidationError("the validation set is empty; set val_data_path or val_ratio in PART 1 to give it rows")
-    print_log(f"Validation: {len(dataset)} rows", logger="current", level=logging.INFO)
+    pairs = trains_on_pairs(cfg)
+    held_out = f" ({sum(map(len, dataset['sample_lengths'])) // 2} pairs)" if pairs else ""
+    print_log(f"Validation: {len(dataset)} rows{held_out}", logger="current", level=logging.INFO)
     loop = dict(cfg.get("val_cfg") or {})
     loop["type"] = resolve_type(loop["type"], "val_cfg.type") if "type" in loop else ValLoop
     return dict(val_dataloader=dataloader_cfg(cfg, dataset, "val_dataloader"), val_cfg=loop,
-                val_evaluator=cfg.get("val_evaluator") or dict(type=ValLossMetric))
+                val_evaluator=cfg.get("val_evaluator") or dict(type=PairValMetric if pairs else ValLossMetric))
 
 
 def restore_best_weights(runner: Any, spec: RunSpec) -> Any:

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
+from sfttool import compat
 from sfttool.model import preference_loss as P
 from sfttool.model import preference_precompute as pre
-from sfttool import compat
 from sfttool.model.build import build_llm
 from sfttool.model.lora import adapter_active, add_frozen_copy
 from sfttool.model.preference import PairwiseModel, check_args
 from sfttool.model.preference_precompute import REF_COLUMN
-from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER, ConfigBuildError
 
 logger = logging.getLogger(__name__)
@@ -133,17 +132,21 @@ class DPO(PairwiseModel):
                                    "returned, collated by preference_collate_fn")
         return self.reference_logps(data)[0]
 
-    def prepare_train_data(self, dataset: Any, optim_wrapper: Any = None) -> Any:
-        """With ``precompute_ref_log_probs``: the training set with the reference log-probs as a
-        column (``sfttool.model.preference_precompute``); the frozen reference copy is freed after
-        it. The train entry calls this once the model and the data are built, before the runner."""
+    def prepare_train_data(self, dataset: Any, optim_wrapper: Any = None, val_dataset: Any = None) -> Any:
+        """With ``precompute_ref_log_probs``: the training set (and ``val_dataset``, when given: then
+        both are returned) with the reference log-probs as a column
+        (``sfttool.model.preference_precompute``); the frozen reference is freed after them. The
+        train entry calls this once the model and the data are built, before the runner."""
         if not self.precompute_ref_log_probs or self.loss_type in P.REFERENCE_FREE:
-            return dataset
+            return dataset if val_dataset is None else (dataset, val_dataset)
         device = pre.place_on_run_device(self.ref_llm if self.ref_llm is not None else self.llm)
+        autocast = pre.training_autocast_dtype(optim_wrapper)
         was_training = self.training
         self.eval()
         try:
-            dataset = pre.add_reference_log_probs(self, dataset, device, pre.training_autocast_dtype(optim_wrapper))
+            dataset = pre.add_reference_log_probs(self, dataset, device, autocast)
+            if val_dataset is not None:
+                val_dataset = pre.add_reference_log_probs(self, val_dataset, device, autocast, validation=True)
         finally:
             self.train(was_training)
         if self.ref_llm is not None:
@@ -152,7 +155,7 @@ class DPO(PairwiseModel):
         if self.reference_adapter is not None:  # likewise the frozen starting adapter
             self.llm.delete_adapter(self.reference_adapter)
             self.reference_adapter, self.reference_freed = None, True
-        return dataset
+        return dataset if val_dataset is None else (dataset, val_dataset)
 
     def pair_logps(self, data: dict) -> dict[str, torch.Tensor | None]:
         """Chosen and rejected log-probs [pairs] of the policy and the reference (None: reference-free)."""
@@ -164,16 +167,19 @@ class DPO(PairwiseModel):
         return dict(policy_chosen=sums[0::2], policy_rejected=sums[1::2],
                     ref_chosen=None if ref is None else ref[0::2], ref_rejected=None if ref is None else ref[1::2])
 
-    def compute_loss(self, data: dict) -> dict:
+    def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair's loss, chosen reward and rejected reward, three [pairs]."""
         logps = self.pair_logps(data)
         losses = P.dpo_losses(**logps, loss_type=self.loss_type, beta=self.beta,
                               label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma)  # [pairs]
         chosen, rejected = logps["policy_chosen"], logps["policy_rejected"]
         if logps["ref_chosen"] is not None:
             chosen, rejected = chosen - logps["ref_chosen"], rejected - logps["ref_rejected"]
-        return {"loss": self.normalize(losses.sum(), data),
-                **step_metrics(loss=(losses.sum(), losses.numel()),
-                               **P.reward_metrics(self.beta * chosen, self.beta * rejected))}
+        return losses, self.beta * chosen, self.beta * rejected
+
+    def compute_loss(self, data: dict) -> dict:
+        losses, chosen, rejected = self.pair_values(data)
+        return {"loss": self.normalize(losses.sum(), data), **self.pair_step_metrics(losses, chosen, rejected)}
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """SFT's state dict without the frozen reference (rebuilt from its source at start)."""

@@ -5,7 +5,6 @@ import torch
 
 from sfttool.model import preference_loss as P
 from sfttool.model.preference import PairwiseModel, check_args
-from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER
 
 
@@ -23,14 +22,23 @@ class ORPO(PairwiseModel):
         super().__init__(llm, **sft_args)
         self.beta = beta
 
-    def compute_loss(self, data: dict) -> dict:
+    def pair_terms(self, data: dict) -> dict[str, torch.Tensor]:
+        """Each pair's loss, NLL term, log odds ratio and rewards, [pairs] each."""
         sums, counts = self.sequence_logps(data)
         means = sums / counts  # [2 * pairs]
         chosen, rejected = means[0::2], means[1::2]
         log_odds = P.orpo_log_odds(chosen, rejected)
         losses = -chosen - self.beta * torch.nn.functional.logsigmoid(log_odds)  # [pairs]
-        pairs = losses.numel()
-        return {"loss": self.normalize(losses.sum(), data),
-                **step_metrics(loss=(losses.sum(), pairs), nll=(-chosen.sum(), pairs),
-                               log_odds_ratio=(log_odds.sum(), pairs),
-                               **P.reward_metrics(self.beta * chosen, self.beta * rejected))}
+        return dict(loss=losses, nll=-chosen, log_odds=log_odds, chosen=self.beta * chosen,
+                    rejected=self.beta * rejected)
+
+    def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair's loss, chosen reward and rejected reward, three [pairs]."""
+        terms = self.pair_terms(data)
+        return terms["loss"], terms["chosen"], terms["rejected"]
+
+    def compute_loss(self, data: dict) -> dict:
+        terms = self.pair_terms(data)
+        return {"loss": self.normalize(terms["loss"].sum(), data),
+                **self.pair_step_metrics(terms["loss"], terms["chosen"], terms["rejected"], nll=terms["nll"],
+                                         log_odds_ratio=terms["log_odds"])}

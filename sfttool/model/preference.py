@@ -21,6 +21,7 @@ import torch
 
 from sfttool.model import preference_loss as P
 from sfttool.model.sft import SupervisedFinetune
+from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import ConfigBuildError
 
 
@@ -33,6 +34,33 @@ class PairwiseModel(SupervisedFinetune):
         keep, targets, sequence_of = P.trained_positions(data)
         token_logps = self.trained_token_log_probs(data, keep, targets, llm)  # [n]
         return P.summed_by_sequence(token_logps, sequence_of, 2 * P.count_pairs(data))
+
+    def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair's loss and the chosen and rejected rewards (or scores), three [pairs]."""
+        raise NotImplementedError
+
+    def shown_values(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values shown per pair beside the loss, [pairs] each (DPO's and ORPO's rewards)."""
+        return P.reward_values(chosen, rejected)
+
+    def pair_step_metrics(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
+                          **extra: torch.Tensor) -> dict:
+        """``step_metrics`` of a micro-batch: the loss, the shown values and ``extra`` ones ([pairs] each),
+        as sums over its pairs with the pair count."""
+        pairs = losses.numel()
+        values = {"loss": losses, **self.shown_values(chosen, rejected), **extra}
+        return step_metrics(**{name: (value.detach().sum(), pairs) for name, value in values.items()})
+
+    @torch.no_grad()
+    def validation_rows(self, data: dict) -> list[list[dict[str, float]]]:
+        """Per row of the batch, one dict per pair: its loss and the values shown beside it.
+        Validation averages each over every held-out pair (``sfttool.engine.validation.PairValMetric``),
+        so its numbers do not depend on the packing, the batch size or the number of processes."""
+        losses, chosen, rejected = self.pair_values(data)
+        columns = {name: value.double().tolist()
+                   for name, value in {"loss": losses, **self.shown_values(chosen, rejected)}.items()}
+        return [[{name: column[k] for name, column in columns.items()} for k in pairs]
+                for pairs in P.pairs_by_row(data)]
 
     def count_loss_units(self, data: dict) -> int:
         """Pairs in the batch: the loss is a mean over pairs."""

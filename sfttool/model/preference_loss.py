@@ -101,11 +101,20 @@ def orpo_log_odds(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> tor
                                             - torch.log(-torch.expm1(rejected_mean)))
 
 
-def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, tuple]:
-    """The rewards shown beside the loss, each as ``(sum over the micro-batch's pairs, pairs)``
-    (``sfttool.model.step_metrics``): the step shows their means over all of its pairs."""
+def reward_values(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rewards shown beside the loss, per pair ([pairs] each, detached): training shows their
+    means over the step's pairs (``sfttool.model.step_metrics``), validation over the held-out pairs."""
     chosen, rejected = chosen_rewards.detach(), rejected_rewards.detach()
-    pairs = chosen.numel()
-    return {"rewards/chosen": (chosen.sum(), pairs), "rewards/rejected": (rejected.sum(), pairs),
-            "rewards/margins": ((chosen - rejected).sum(), pairs),
-            "rewards/accuracies": ((chosen > rejected).sum(), pairs)}
+    return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
+            "rewards/accuracies": (chosen > rejected).double()}
+
+
+def pairs_by_row(data: dict) -> list[list[int]]:
+    """The batch-wide index of each row's pairs, row by row (``sequence_ids`` numbers pair ``k``'s
+    sequences ``2k`` and ``2k + 1``; -1 is padding).
+
+    >>> pairs_by_row({"sequence_ids": torch.tensor([[0, 0, 1, 2, 3], [4, 5, -1, -1, -1]])})
+    [[0, 1], [2]]
+    """
+    require_pairs(data)
+    return [sorted(set((row[row >= 0] // 2).tolist())) for row in data["sequence_ids"]]

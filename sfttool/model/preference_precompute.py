@@ -39,21 +39,23 @@ class PrecomputeError(SfttoolError, ValueError):
 
 
 def add_reference_log_probs(model: Any, dataset: Any, device: torch.device,
-                            autocast_dtype: torch.dtype | None = None) -> Any:
+                            autocast_dtype: torch.dtype | None = None, validation: bool = False) -> Any:
     """``dataset`` with the column ``ref_logps`` from ``model.reference_logps`` (the model in eval
     mode, its reference on ``device``). ``autocast_dtype``: on a GPU, the autocast dtype training
-    runs the reference under, so the values are those it would compute."""
+    runs the reference under, so the values are those it would compute. ``validation``: the
+    validation set (said so in the log)."""
     check_dataset(dataset)
     start = time.perf_counter()
     rank, world = get_rank(), get_world_size()
-    log(f"Reference log-probs: computing them once for {len(dataset)} rows"
+    rows = "validation rows" if validation else "rows"
+    log(f"Reference log-probs: computing them once for {len(dataset)} {rows}"
         + (f" ({world} processes)" if world > 1 else ""))
     mine = {i: row_reference_logps(model, dataset[i], device, autocast_dtype)
             for i in range(rank, len(dataset), world)}
     values = gathered_in_order(mine, len(dataset))
     pairs = sum(len(v) for v in values) // 2
-    log(f"Reference log-probs: {pairs} pairs in {len(dataset)} rows in {time.perf_counter() - start:.1f} s; "
-        "training steps skip the reference forward")
+    log(f"Reference log-probs: {pairs} pairs in {len(dataset)} {rows} in {time.perf_counter() - start:.1f} s; "
+        + ("validation skips the reference forward" if validation else "training steps skip the reference forward"))
     if REF_COLUMN in dataset.column_names:
         dataset = dataset.remove_columns(REF_COLUMN)
     return dataset.add_column(REF_COLUMN, values, new_fingerprint=f"{dataset._fingerprint}-ref-{pairs}")

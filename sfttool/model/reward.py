@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from sfttool.model.lora import build_lora_config
 from sfttool.model.loss import default_position_ids
 from sfttool.model.preference import PairwiseModel
-from sfttool.model.step_metrics import step_metrics
 from sfttool.registry import BUILDER, ConfigBuildError
 
 PENALTIES = (None, "log_barrier", "L2")
@@ -97,16 +96,22 @@ class RewardModel(PairwiseModel):
                                    "it; build the data with is_reward=True and the same reward_token_id")
         return model.score(hidden[last]).squeeze(-1).float()  # row-major order = sequence_ids order
 
-    def compute_loss(self, data: dict) -> dict:
+    def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair's loss, chosen score and rejected score, three [pairs]."""
         scores = self.sequence_scores(data)
         chosen, rejected = scores[0::2], scores[1::2]
         penalty = (score_penalty(chosen, self.penalty_type) + score_penalty(rejected, self.penalty_type)) / 2
-        losses = -F.logsigmoid(chosen - rejected) + self.penalty_weight * penalty  # [pairs]
-        c, r, pairs = chosen.detach(), rejected.detach(), losses.numel()
-        return {"loss": self.normalize(losses.sum(), data),
-                **step_metrics(loss=(losses.sum(), pairs), accuracy=((c > r).sum(), pairs),
-                               **{"scores/chosen": (c.sum(), pairs), "scores/rejected": (r.sum(), pairs),
-                                  "scores/margins": ((c - r).sum(), pairs)})}
+        return -F.logsigmoid(chosen - rejected) + self.penalty_weight * penalty, chosen, rejected
+
+    def shown_values(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values shown per pair beside the loss, [pairs] each: the accuracy and the scores."""
+        chosen, rejected = chosen.detach(), rejected.detach()
+        return {"accuracy": (chosen > rejected).double(), "scores/chosen": chosen, "scores/rejected": rejected,
+                "scores/margins": chosen - rejected}
+
+    def compute_loss(self, data: dict) -> dict:
+        losses, chosen, rejected = self.pair_values(data)
+        return {"loss": self.normalize(losses.sum(), data), **self.pair_step_metrics(losses, chosen, rejected)}
 
 
 def _sequence_classification_lora(lora: Any) -> Any:

@@ -1,10 +1,11 @@
-"""Loss curves from a run's own scalars: train loss (raw and smoothed), validation loss, learning rate
-and (online RL) the mean reward against optimizer steps.
+"""Loss curves from a run's own scalars: train loss (raw and smoothed), validation loss, learning rate,
+(online RL) the mean reward and (preference runs) the held-out accuracy against optimizer steps.
 
 mmengine's ``LocalVisBackend`` appends one JSON line per log to
 ``WORK_DIR/<timestamp>/vis_data/scalars.json``: train lines carry ``loss`` (the logged optimizer step's
 loss, see ``sfttool.engine.runner``), ``lr`` and ``step`` (the iteration that ended the step),
-validation lines ``val/loss`` and ``step``. Iteration ``i`` belongs to optimizer step
+validation lines ``val/loss`` (and, for preference runs, ``val/rewards/accuracies`` or a reward model's
+``val/accuracy``) and ``step``. Iteration ``i`` belongs to optimizer step
 ``ceil(i / accumulative_counts)``. A resumed run starts a new timestamp folder, so a work dir's folders
 are read in order and a later line for a step replaces an earlier one. A line still being written (a
 running run) is skipped::
@@ -40,6 +41,7 @@ class RunCurves:
     lr: dict[int, float] = field(default_factory=dict)
     val: dict[int, float] = field(default_factory=dict)
     reward: dict[int, float] = field(default_factory=dict)  # online RL: the step's mean reward
+    val_accuracy: dict[int, float] = field(default_factory=dict)  # preference runs: held-out pairs ranked right
 
 
 def scalar_files(path: str | Path) -> list[Path]:
@@ -73,7 +75,8 @@ def read_run(path: str | Path, name: str | None = None) -> RunCurves:
                 continue
             x = math.ceil(step / per_step)  # the optimizer step the iteration belongs to
             for key, curve in (("loss", run.train), ("lr", run.lr), ("val/loss", run.val),
-                               ("reward", run.reward)):
+                               ("reward", run.reward), ("val/rewards/accuracies", run.val_accuracy),
+                               ("val/accuracy", run.val_accuracy)):
                 value = record.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     curve[x] = float(value)
@@ -112,6 +115,15 @@ def _plot_rewards(ax, runs: list[RunCurves]) -> None:
     ax.set_ylabel("mean reward")
 
 
+def _plot_val_accuracy(ax, runs: list[RunCurves]) -> None:
+    """A preference run's held-out accuracy at each validation."""
+    for i, run in enumerate(runs):
+        steps = sorted(run.val_accuracy)
+        ax.plot(steps, [run.val_accuracy[s] for s in steps], color=f"C{i}", linestyle="--", marker="o",
+                label=run.name)
+    ax.set_ylabel("held-out accuracy")
+
+
 def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | None = None):
     """Draw the runs' curves into ``output`` (PNG); returns the matplotlib figure."""
     import matplotlib
@@ -119,12 +131,14 @@ def plot_runs(paths: list[str | Path], output: str | Path, names: list[str] | No
     import matplotlib.pyplot as plt
 
     runs = [read_run(p, names[i] if names else None) for i, p in enumerate(paths)]
-    rewards = any(run.reward for run in runs)
-    fig, axes = plt.subplots(3 if rewards else 2, 1, figsize=(9, 10 if rewards else 7), sharex=True,
-                             height_ratios=(3, 2, 1) if rewards else (3, 1))
+    # axes between the loss (top) and the learning rate (bottom), where a run has their values
+    middle = [draw for draw, present in ((_plot_rewards, any(run.reward for run in runs)),
+                                         (_plot_val_accuracy, any(run.val_accuracy for run in runs))) if present]
+    fig, axes = plt.subplots(2 + len(middle), 1, figsize=(9, 7 + 3 * len(middle)), sharex=True,
+                             height_ratios=(3, *[2] * len(middle), 1))
     loss_ax, lr_ax = axes[0], axes[-1]
-    if rewards:
-        _plot_rewards(axes[1], runs)
+    for draw, ax in zip(middle, axes[1:-1]):
+        draw(ax, runs)
     smoothed = False
     for i, run in enumerate(runs):
         color = f"C{i}"

@@ -16,34 +16,42 @@ from sfttool.engine.spec import TrainOptions
 
 
 def _preference_config(dataset_type, **extra) -> dict:
-    return dict(model=dict(type="DPO"), optim_wrapper=dict(optimizer=dict(lr=1e-4)), train_cfg=dict(max_epochs=1),
-                train_dataloader=dict(batch_size=1, dataset=dict(type=dataset_type)), **extra)
+    return {**dict(model=dict(type="DPO"), optim_wrapper=dict(optimizer=dict(lr=1e-4)), train_cfg=dict(max_epochs=1),
+                   train_dataloader=dict(batch_size=1, dataset=dict(type=dataset_type))), **extra}
 
 
-@pytest.mark.parametrize("extra,keys", [
-    (dict(val_ratio=0.1), "val_ratio"),
-    (dict(val_data_path="val.jsonl", val_dataloader=dict(batch_size=1)), "val_data_path, val_dataloader"),
+VAL = dict(val_ratio=0.1, val_dataloader=dict(batch_size=1))
+
+
+@pytest.mark.parametrize("extra,line", [
+    (dict(val_ratio=0.1), "val_ratio: the config has no val_dataloader to validate with; add the validation lines "
+                          "of a built-in DPO config (val_dataloader, val_cfg, val_evaluator: see docs/preference.md) "
+                          "or remove val_ratio"),
+    (dict(VAL, model=dict(type="DPO", loss_type="kto_pair")),
+     "model.loss_type='kto_pair' has no held-out loss (its KL baseline is the mean over a micro-batch, so a pair's "
+     "loss depends on its batch): set val_ratio = 0 and val_data_path = None, or choose another loss_type"),
+    (dict(VAL, val_evaluator=dict(type="sfttool.engine.validation.ValLossMetric")),
+     "val_evaluator: ValLossMetric measures the SFT token loss; a preference run validates with "
+     "val_evaluator = dict(type=PairValMetric) (from sfttool.engine.validation)"),
 ])
-def test_validation_settings_in_a_preference_config_are_one_line_errors(extra, keys):
-    """The validation loop measures the SFT token loss, which says nothing about ranking chosen over rejected."""
+def test_preference_validation_problems_are_one_line_each(extra, line):
     for dataset_type in (build_preference_dataset, "sfttool.dataset.build_preference_dataset"):
-        errors = checks.preference_validation_problems(_preference_config(dataset_type, **extra), "dpo.py")
-        assert errors == [f"dpo.py: {keys}: preference training has no validation yet (the validation loop "
-                          "measures the SFT token loss, not how the model ranks chosen over rejected); remove "
-                          f"{keys.replace(', ', ' and ')} (or set them to None)"]
+        assert checks.preference_validation_problems(_preference_config(dataset_type, **extra), "dpo.py") == [
+            f"dpo.py: {line}"]
 
 
-def test_the_built_in_preference_config_with_validation_is_refused_before_anything_is_built(tmp_path):
-    cfg = load_config("qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1", ["val_ratio=0.1"])
-    found = checks.run_checks(cfg, TrainOptions(work_dir=str(tmp_path / "w")), 1)
-    assert [str(e) for e in found.errors] == [f"{cfg.filename}: val_ratio: preference training has no validation yet "
-                                              "(the validation loop measures the SFT token loss, not how the model "
-                                              "ranks chosen over rejected); remove val_ratio (or set them to None)"]
+def test_the_built_in_preference_configs_validate_and_pass_the_checks(tmp_path):
+    for name, evaluator in (("qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1", "PairValMetric"),
+                            ("qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1", "PairValMetric")):
+        cfg = load_config(name, ["val_ratio=0.1"])
+        assert cfg.val_evaluator["type"].__name__ == evaluator
+        assert checks.run_checks(cfg, TrainOptions(work_dir=str(tmp_path / name), dry_run=True), 1).errors == []
 
 
 def test_unset_validation_and_sft_configs_pass():
     assert checks.preference_validation_problems(
         _preference_config(build_preference_dataset, val_ratio=None, val_data_path=None), "dpo.py") == []
+    assert checks.preference_validation_problems(_preference_config(build_preference_dataset, **VAL), "dpo.py") == []
     assert checks.preference_validation_problems(_preference_config(process_hf_dataset, val_ratio=0.1), "sft.py") == []
 
 

@@ -130,3 +130,19 @@ def test_an_online_rl_run_gets_a_reward_curve(tmp_path):
     assert list(raw.get_xdata()) == [1, 2, 3] and list(raw.get_ydata()) == [0.25, 0.5, 0.75]
     assert list(smoothed.get_ydata()) == pytest.approx(smooth([0.25, 0.5, 0.75], smoothing_window(3)))
     assert reward_ax.get_ylabel() == "mean reward" and lr_ax.get_xlabel() == "optimizer step"
+
+
+@pytest.mark.parametrize("key", ["val/rewards/accuracies", "val/accuracy"])
+def test_a_preference_run_gets_its_held_out_accuracy(tmp_path, key):
+    """DPO/ORPO validation logs val/rewards/accuracies (a reward model val/accuracy): an axis of its own,
+    between loss and lr; val/loss joins the loss axis as for SFT."""
+    work = tmp_path / "dpo"
+    write_run(work / "20260104_000000", [train(2, 0.69), {"val/loss": 0.68, key: 0.5, "step": 2}, train(4, 0.5),
+                                         {"val/loss": 0.6, key: 0.875, "step": 4}], accumulative_counts=1)
+    run = read_run(work)
+    assert run.val == {2: 0.68, 4: 0.6} and run.val_accuracy == {2: 0.5, 4: 0.875}
+    loss_ax, accuracy_ax, lr_ax = plot_runs([work], tmp_path / "dpo.png").axes
+    (line,) = accuracy_ax.lines
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.5, 0.875]
+    assert accuracy_ax.get_ylabel() == "held-out accuracy" and lr_ax.get_xlabel() == "optimizer step"
+    assert list(loss_ax.lines[-1].get_ydata()) == [0.68, 0.6]
