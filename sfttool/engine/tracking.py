@@ -8,8 +8,9 @@ the run's summary says whether TensorBoard is on (``auto_tracking_note``). A tra
 must be installed: ``check_trackers`` stops the run with one line naming the extra otherwise.
 
 Every scalar the runner logs goes to each backend through mmengine's ``LoggerHook``: train loss,
-learning rate, grad norm, tokens/s and MFU (``ThroughputHook``), ``val/loss`` and ``val/ppl``. The
-resolved config is recorded once, and the sample generations as text (``add_text``). mmengine's
+learning rate, grad norm, tokens/s and MFU (``ThroughputHook``), ``val/loss`` and ``val/ppl`` (a
+preference run's ``val/loss`` and ``val/rewards/*``). The resolved config is recorded once, and the
+sample generations as text (``add_text``). mmengine's
 ``LocalVisBackend`` is always kept: ``vis_data/scalars.json`` is what ``sfttool plot`` reads.
 
 mmengine's wandb and MLflow backends record the config with ``Config.to_dict()``, which holds the
