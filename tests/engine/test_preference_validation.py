@@ -222,3 +222,24 @@ def test_a_dpo_run_holds_out_pairs_and_keeps_the_best_held_out_accuracy(tmp_path
     best = steps[accuracies.index(max(accuracies))]
     assert sorted(p.name for p in work.glob("best_*.pth")) == [f"best_val_rewards_accuracies_iter_{best}.pth"]
     assert read_run(work).val_accuracy == {s: a for s, a in zip(steps, accuracies)}
+
+
+@pytest.mark.slow
+def test_early_stopping_watches_the_held_out_accuracy(tmp_path, tiny_llama_dir):
+    """best_metric = 'val/rewards/accuracies', rule 'greater', patience 1: the run stops at the first
+    validation that does not beat the best accuracy so far."""
+    from sfttool.engine.train import train
+
+    config = demo_on_tiny_llama(tmp_path, tiny_llama_dir)
+    work = train(str(config), work_dir=str(tmp_path / "work"),
+                 cfg_options=["val_data_path=None", "val_ratio=0.25", "val_interval=2", "lr=0.02",
+                              "best_metric=val/rewards/accuracies", "best_metric_rule=greater",
+                              "early_stopping_patience=1"])
+    (scalars,) = work.rglob("scalars.json")
+    validations = [r for r in map(json.loads, scalars.read_text().splitlines()) if "val/loss" in r]
+    accuracies = [r["val/rewards/accuracies"] for r in validations]
+    stop = next(i for i in range(1, len(accuracies)) if accuracies[i] <= max(accuracies[:i]))
+    assert len(validations) == stop + 1  # nothing validated after it
+    log = next(work.rglob("*.log")).read_text()
+    assert (f"Early stopping at iteration {validations[stop]['step']}: val/rewards/accuracies has not improved on "
+            f"{max(accuracies[:stop]):.4f}") in log

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_preference import (assert_close, batch, load_llm, lora_cfg, make_model, make_pairs,  # noqa: E402
                              perturb, plain_logp, row_of)
+from test_preference_distributed import pairs_jsonl  # noqa: E402,F401  (a fixture)
 from test_preference_precompute import pair_dataset  # noqa: E402
 
 from sfttool.model.step_metrics import step_means  # noqa: E402
@@ -144,3 +145,38 @@ def test_label_smoothing_with_sigmoid_says_which_formula(tiny_llama_dir, loss_ty
         assert said[0] == ("model.label_smoothing=0.1 with loss_type='sigmoid': the loss is cDPO's -(1-ε) log σ(βh) "
                            "- ε log σ(-βh), as in XTuner (TRL 1.16 ignores label_smoothing for 'sigmoid'; see "
                            "docs/preference.md)")
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_initial_adapter_reference_equal_one_rank(tmp_path, tiny_qwen2_dir, pairs_jsonl):
+    """DDP: switching to the reference adapter (and back) inside the forward leaves every rank's
+    gradients to be all-reduced: 2 ranks x 1 row train the adapter exactly as 1 rank x 2 rows."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from test_distributed import run_sfttool
+    from test_preference_distributed import write
+
+    from sfttool.engine.train import train
+
+    sft = make_model("SupervisedFinetune", tiny_qwen2_dir, lora=dict(type=LoraConfig, r=8, lora_alpha=16,
+                                                                       lora_dropout=0.0, bias="none"))
+    perturb(sft.llm, seed=4, scale=0.1)
+    sft.llm.save_pretrained(str(tmp_path / "sft_adapter"))
+    data = pairs_jsonl
+    continued = f"\nmodel['peft_model'] = {str(tmp_path / 'sft_adapter')!r}\n"
+    configs = {}
+    for name, batch_size in (("two", 1), ("one", 2)):
+        path = write(tmp_path / f"{name}.py", tiny_qwen2_dir, data, batch_size=batch_size, dropout=0.0)
+        path.write_text(path.read_text() + continued)
+        configs[name] = path
+    result = run_sfttool([str(configs["two"]), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"],
+                         timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    single = train(str(configs["one"]), work_dir=str(tmp_path / "one"))
+    a = load_file(tmp_path / "two" / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(single / "hf_adapter" / "adapter_model.safetensors")
+    start = load_file(tmp_path / "sft_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() == start.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # it trained
