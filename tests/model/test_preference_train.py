@@ -217,9 +217,12 @@ def test_shipped_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_
     if "_reward_" in name:  # the tiny vocabulary has no id 151643: end sequences with its EOS instead
         options.append("reward_token_id=2")
     cfg = load_config(name, options)
-    assert cfg.train_dataloader.dataset.dataset.path == str(ultrafeedback_jsonl)
+    assert cfg.train_dataloader.dataset.dataset.dataset.path == str(ultrafeedback_jsonl)
     dataset = build(cfg.train_dataloader.dataset, "train_dataloader.dataset")
-    assert sum(len(row["sample_lengths"]) for row in dataset) == 16  # 8 pairs, two sequences each
+    held_out = build(cfg.val_dataloader.dataset, "val_dataloader.dataset")
+    # val_ratio = 0.01 holds out 1 of the 8 pairs (at least one); two sequences each
+    assert sum(len(row["sample_lengths"]) for row in dataset) == 14
+    assert sum(len(row["sample_lengths"]) for row in held_out) == 2
     collate_cfg = dict(cfg.train_dataloader.collate_fn)
     collate = functools.partial(_materialise(collate_cfg.pop("type")), **collate_cfg)
     model = build(cfg.model, "model")
@@ -230,3 +233,5 @@ def test_shipped_config_builds_and_takes_a_step_on_tiny_assets(name, tiny_qwen2_
     assert torch.isfinite(out["loss"]) and out["loss"].item() > 0
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and all(p.grad is not None for p in trained)
+    (pair,) = [p for row in model.validation_rows(collate([held_out[0]])["data"]) for p in row]
+    assert math.isfinite(pair["loss"]) and ("rewards/margins" in pair or "scores/margins" in pair)
