@@ -5,6 +5,7 @@
 from sfttool.registry import BUILDER
 
 from .errors import DatasetError
+from .kto import build_kto_dataset
 from .load import load_json_dataset
 from .mix import mix_datasets
 from .pipeline import process_hf_dataset
@@ -12,8 +13,9 @@ from .preference import build_preference_dataset
 from .prompts import build_prompt_dataset
 
 BUILDER.register_module(name="process_hf_dataset", module=process_hf_dataset, force=True)
+BUILDER.register_module(name="build_kto_dataset", module=build_kto_dataset, force=True)
 BUILDER.register_module(name="build_preference_dataset", module=build_preference_dataset, force=True)
 BUILDER.register_module(name="build_prompt_dataset", module=build_prompt_dataset, force=True)
 
-__all__ = ["DatasetError", "build_preference_dataset", "build_prompt_dataset", "load_json_dataset", "mix_datasets",
-           "process_hf_dataset"]
+__all__ = ["DatasetError", "build_kto_dataset", "build_preference_dataset", "build_prompt_dataset", "load_json_dataset",
+           "mix_datasets", "process_hf_dataset"]

@@ -105,9 +105,12 @@ def _collect(errors: list, check: Callable, *args: Any, **kwargs: Any) -> None:
 
 def preference_validation_problems(cfg: Any, path: str) -> list[str]:
     """A preference config's validation: PART 1's ``val_ratio`` / ``val_data_path`` need a ``val_dataloader``
-    to act on; ``kto_pair`` cannot give a held-out loss (its KL baseline is a micro-batch mean, so the loss
+    to act on; ``KTO`` and ``kto_pair`` cannot give a held-out loss (its KL baseline is a micro-batch mean, so the loss
     of a pair depends on the batch it is in); the evaluator is the pairs' (``PairValMetric``), not SFT's
     token loss. One line each."""
+    if type_name((cfg.get("model") or {}).get("type")).endswith("KTO") and validation_enabled(cfg):
+        return [f"{path}: KTO has no held-out loss (its KL baseline is the mean over a micro-batch): set val_ratio = 0 "
+                "and val_data_path = None (or val_dataloader = None)"]
     if not trains_on_pairs(cfg):
         return []
     problems = []

@@ -92,6 +92,24 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
     raise ValueError(f"unknown DPO loss_type {loss_type!r}; one of {DPO_LOSS_TYPES}")
 
 
+def kto_losses(policy: torch.Tensor, reference: torch.Tensor, policy_kl: torch.Tensor, reference_kl: torch.Tensor,
+               desirable: torch.Tensor, beta: float, desirable_weight: float = 1.0,
+               undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's loss per example and its KL baseline (shapes [examples] in; [examples] and a scalar out).
+
+    With ``r = policy - reference`` (summed log-probs of the example's completion) and ``z`` the mean of
+    ``policy_kl - reference_kl`` over the mismatched pairs (clamped at 0, no gradient): a desirable
+    example costs ``desirable_weight * (1 - σ(β(r - z)))``, an undesirable one
+    ``undesirable_weight * (1 - σ(β(z - r)))``. At the start (policy == reference) every loss is
+    half its weight.
+    """
+    rewards = policy - reference
+    kl = (policy_kl - reference_kl).mean().clamp(min=0).detach()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (rewards - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - rewards))))
+    return losses, kl
+
+
 def orpo_log_odds(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> torch.Tensor:
     """log odds(chosen) - log odds(rejected), odds(y) = p / (1 - p) with p = exp(mean token log-prob).
 

@@ -30,6 +30,9 @@ VAL = dict(val_ratio=0.1, val_dataloader=dict(batch_size=1))
     (dict(VAL, model=dict(type="DPO", loss_type="kto_pair")),
      "model.loss_type='kto_pair' has no held-out loss (its KL baseline is the mean over a micro-batch, so a pair's "
      "loss depends on its batch): set val_ratio = 0 and val_data_path = None, or choose another loss_type"),
+    (dict(VAL, model=dict(type="sfttool.model.KTO")),
+     "KTO has no held-out loss (its KL baseline is the mean over a micro-batch): set val_ratio = 0 and "
+     "val_data_path = None (or val_dataloader = None)"),
     (dict(VAL, val_evaluator=dict(type="sfttool.engine.validation.ValLossMetric")),
      "val_evaluator: ValLossMetric measures the SFT token loss; a preference run validates with "
      "val_evaluator = dict(type=PairValMetric) (from sfttool.engine.validation)"),
