@@ -193,9 +193,11 @@ def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
                                               "turn streaming off in train_dataloader.dataset"))
     model = _type_of(cfg.get("model"))
     if isinstance(model, type) and not (issubclass(model, SupervisedFinetune)
-                                        and model.compute_loss is SupervisedFinetune.compute_loss):
+                                        and (model.compute_loss is SupervisedFinetune.compute_loss
+                                             or getattr(model, "trains_with_sequence_parallelism", False))):
         problems.append(SequenceParallelError(f"model.type={model.__name__} does not train with sequence "
-                                              "parallelism (SupervisedFinetune does): set sequence_parallel_size = 1"))
+                                              "parallelism (SupervisedFinetune, DPO and ORPO do): set "
+                                              "sequence_parallel_size = 1"))
     _collect(problems, check_world_size, size, world_size)
     return problems
 

@@ -22,18 +22,39 @@ import torch
 from sfttool.model import preference_loss as P
 from sfttool.model.sft import SupervisedFinetune
 from sfttool.model.step_metrics import step_metrics
+from sfttool.parallel import sequence as sequence_parallel
 from sfttool.registry import ConfigBuildError
+from sfttool.utils.constants import IGNORE_INDEX
 
 
 class PairwiseModel(SupervisedFinetune):
     """What DPO and ORPO share: per-sequence log-probs of a batch of pairs and its pair count."""
 
+    # Under sequence parallelism each rank runs its slice of the rows; ``sequence_logps`` adds the slices'
+    # per-sequence sums before any pair loss (``engine.checks`` reads this).
+    trains_with_sequence_parallelism = True
+
     def sequence_logps(self, data: dict, llm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(summed log-probs, trained-token counts)`` per sequence, [2 * pairs] each, of the policy
         or of another ``llm`` run with the same packed forward."""
+        split = self._row_split(self._inputs(data)[1])
+        if split is not None:
+            return self._sequence_parallel_logps(data, llm, split)
         keep, targets, sequence_of = P.trained_positions(data)
         token_logps = self.trained_token_log_probs(data, keep, targets, llm)  # [n]
         return P.summed_by_sequence(token_logps, sequence_of, 2 * P.count_pairs(data))
+
+    def _sequence_parallel_logps(self, data: dict, llm: Any, split: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of every row: its trained tokens' log-probs summed per sequence, then added
+        over the group, so every rank holds the whole sequences' values (its gradient: its slice's).
+        Targets come from the whole rows: a slice's last position predicts the next slice's first token."""
+        targets = split.local(P.shifted_targets(data), IGNORE_INDEX)  # [batch, seq/sp]
+        keep = targets != IGNORE_INDEX
+        sequence_of = split.local(data["sequence_ids"], -1)[keep]
+        token_logps = self.trained_token_log_probs(data, keep, targets[keep], llm)  # [n local]
+        sums, counts = P.summed_by_sequence(token_logps, sequence_of, 2 * P.count_pairs(data))
+        return (sequence_parallel.sum_over_sequence_parallel_group(sums, split.group),
+                sequence_parallel.sum_over_sequence_parallel_group(counts, split.group))
 
     def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each pair's loss and the chosen and rejected rewards (or scores), three [pairs]."""

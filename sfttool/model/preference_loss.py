@@ -38,14 +38,20 @@ def require_pairs(data: dict) -> None:
 def trained_positions(data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keep, targets, sequence_of)``: the positions that predict a trained token [batch, seq] (bool),
     the targets there [n] and the sequence each belongs to [n]. Targets never cross a sequence start."""
+    targets = shifted_targets(data)  # [batch, seq]
+    keep = targets != IGNORE_INDEX
+    return keep, targets[keep], data["sequence_ids"][keep]
+
+
+def shifted_targets(data: dict) -> torch.Tensor:
+    """Each position's next-token target [batch, seq] (-100 where none is trained); never across a
+    sequence start."""
     require_pairs(data)
     labels = data["labels"]
     position_ids = data.get("position_ids")
     if position_ids is None:
         position_ids = default_position_ids(labels)
-    targets = shift_targets(labels, position_ids)  # [batch, seq]
-    keep = targets != IGNORE_INDEX
-    return keep, targets[keep], data["sequence_ids"][keep]
+    return shift_targets(labels, position_ids)
 
 
 def count_pairs(data: dict) -> int:

@@ -63,6 +63,9 @@ class RewardModel(PairwiseModel):
         penalty_weight: its weight.
     """
 
+    # Its scores are read at each sequence's last token, which sits in one rank's slice: not yet.
+    trains_with_sequence_parallelism = False
+
     def __init__(self, llm, reward_token_id=None, loss_type="ranking", penalty_type="log_barrier",
                  penalty_weight=0.01, lora=None, **sft_args):
         if loss_type != "ranking":

@@ -76,6 +76,29 @@ class _GroupMean(torch.autograd.Function):
         return grad, None
 
 
+class _GroupSum(torch.autograd.Function):
+    """Forward: the sum over the group. Backward: the gradient passes unchanged, so each rank
+    differentiates only its own slice's share (as ``_GroupMean``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_sequence_parallel_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` (e.g. each sequence's log-prob summed over this rank's slice) added over the group: the whole
+    rows' value on every rank; each rank's gradient is its slice's."""
+    if group is None:
+        return x
+    return _GroupSum.apply(x, group)
+
+
 def reduce_sequence_parallel_loss(loss: torch.Tensor, group: Any) -> torch.Tensor:
     """The loss value of the whole row on every rank of the group; each rank's gradient is its slice's."""
     if group is None:

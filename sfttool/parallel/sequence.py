@@ -8,7 +8,8 @@ See docs/long_context.md.
 """
 from __future__ import annotations
 
-from sfttool.parallel.comm import heads_to_seq, reduce_sequence_parallel_loss, seq_to_heads
+from sfttool.parallel.comm import (heads_to_seq, reduce_sequence_parallel_loss, seq_to_heads,
+                                   sum_over_sequence_parallel_group)
 from sfttool.parallel.groups import (SequenceParallelError, get_data_parallel_rank, get_data_parallel_world_size,
                                      get_sequence_parallel_group, get_sequence_parallel_rank,
                                      get_sequence_parallel_world_size, init_sequence_parallel,
@@ -19,4 +20,4 @@ from sfttool.parallel.setup import setup_sequence_parallel
 __all__ = ["SequenceParallelSampler", "SequenceParallelError", "init_sequence_parallel", "reset_sequence_parallel",
            "setup_sequence_parallel", "get_sequence_parallel_group", "get_sequence_parallel_world_size",
            "get_sequence_parallel_rank", "get_data_parallel_world_size", "get_data_parallel_rank",
-           "reduce_sequence_parallel_loss", "seq_to_heads", "heads_to_seq"]
+           "reduce_sequence_parallel_loss", "seq_to_heads", "heads_to_seq", "sum_over_sequence_parallel_group"]

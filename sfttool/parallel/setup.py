@@ -14,6 +14,8 @@ def setup_sequence_parallel(size: int, model: Any) -> int:
     init_sequence_parallel(size)
     if size > 1:
         use_sequence_parallel_attention(model.llm)
+        if getattr(model, "ref_llm", None) is not None:  # DPO's frozen reference copy runs the same rows
+            use_sequence_parallel_attention(model.ref_llm)
     return size
 
 

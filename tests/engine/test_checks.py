@@ -141,8 +141,8 @@ def test_the_model_type_is_checked_before_the_model_is_built():
     cfg = Config(dict(sequence_parallel_size=2, model=dict(type="sfttool.model.RewardModel"),
                       train_dataloader=dict(sampler=dict(type="DefaultSampler"))))
     assert [str(p) for p in checks.sequence_parallel_problems(cfg, 2)] == [
-        "model.type=RewardModel does not train with sequence parallelism (SupervisedFinetune does): set "
-        "sequence_parallel_size = 1"]
+        "model.type=RewardModel does not train with sequence parallelism (SupervisedFinetune, DPO and ORPO do): "
+        "set sequence_parallel_size = 1"]
 
 
 def test_the_dataset_builders_settings_are_checked_before_anything_is_built():
