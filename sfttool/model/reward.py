@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sfttool.model import preference_loss as P
 from sfttool.model.lora import build_lora_config
-from sfttool.model.loss import default_position_ids
 from sfttool.model.preference import PairwiseModel
+from sfttool.parallel import sequence as sequence_parallel
 from sfttool.registry import BUILDER, ConfigBuildError
 
 PENALTIES = (None, "log_barrier", "L2")
@@ -63,9 +64,6 @@ class RewardModel(PairwiseModel):
         penalty_weight: its weight.
     """
 
-    # Its scores are read at each sequence's last token, which sits in one rank's slice: not yet.
-    trains_with_sequence_parallelism = False
-
     def __init__(self, llm, reward_token_id=None, loss_type="ranking", penalty_type="log_barrier",
                  penalty_weight=0.01, lora=None, **sft_args):
         if loss_type != "ranking":
@@ -83,21 +81,24 @@ class RewardModel(PairwiseModel):
         return self.llm.get_base_model() if hasattr(self.llm, "get_base_model") else self.llm
 
     def sequence_scores(self, data: dict) -> torch.Tensor:
-        """The score of every sequence of the batch, [2 * pairs], in ``sequence_ids`` order."""
+        """The score of every sequence of the batch, [2 * pairs], in ``sequence_ids`` order. Under sequence
+        parallelism each rank scores the sequences whose last token is in its slice, and the group adds
+        the scores (each rank's gradient: its own)."""
         model = self.base_model()
         decoder = getattr(model, model.base_model_prefix)
-        ids, sequence_ids = data["input_ids"], data["sequence_ids"]
-        positions = data.get("position_ids")
-        positions = default_position_ids(ids) if positions is None else positions
-        if self.flatten_batch:  # flash-attention reads sequence starts from one row only (as in SFT)
-            ids, positions, sequence_ids = ids.reshape(1, -1), positions.reshape(1, -1), sequence_ids.reshape(1, -1)
-        hidden = decoder(input_ids=ids, position_ids=positions, attention_mask=None,
-                         use_cache=False).last_hidden_state  # [batch, seq, hidden]
-        last = last_token_mask(sequence_ids)
-        if self.reward_token_id is not None and not (ids[last] == self.reward_token_id).all():
+        last = last_token_mask(data["sequence_ids"])  # [batch, seq]
+        if self.reward_token_id is not None and not (data["input_ids"][last] == self.reward_token_id).all():
             raise ConfigBuildError(f"model.reward_token_id={self.reward_token_id} but the sequences do not end with "
                                    "it; build the data with is_reward=True and the same reward_token_id")
-        return model.score(hidden[last]).squeeze(-1).float()  # row-major order = sequence_ids order
+        split = self._row_split(self._inputs(data)[1])
+        hidden = self._hidden_states(decoder, data, split)  # [batch, seq (/ sp), hidden]
+        if split is None:
+            return model.score(hidden[last]).squeeze(-1).float()  # row-major order = sequence_ids order
+        local_last = split.local(last, False)
+        scores = model.score(hidden[local_last]).squeeze(-1).float()
+        sequence_of = split.local(data["sequence_ids"], -1)[local_last]
+        everyone = scores.new_zeros(2 * P.count_pairs(data)).index_add(0, sequence_of, scores)
+        return sequence_parallel.sum_over_sequence_parallel_group(everyone, split.group)
 
     def pair_values(self, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each pair's loss, chosen score and rejected score, three [pairs]."""

@@ -1,6 +1,7 @@
-"""DPO and ORPO with ``sequence_parallel_size = 2`` on 2 CPU processes train exactly as one process on the
-whole rows: each rank runs its slice of every chosen and rejected sequence, the per-sequence log-probs are
-added over the group before the pair loss, and the pair count counts each row once."""
+"""DPO, ORPO and the reward model with ``sequence_parallel_size = 2`` on 2 CPU processes train exactly as one
+process on the whole rows: each rank runs its slice of every chosen and rejected sequence, the per-sequence
+log-probs (a reward model's scores, read where each sequence ends) are added over the group before the pair
+loss, and the pair count counts each row once."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,16 @@ def preference_config(path: Path, model_dir, data_file, method: str, lora: bool,
     if method == "ORPO":
         text = text.replace("from sfttool.model import DPO", "from sfttool.model import ORPO")
         text = text.replace("type=DPO, beta=0.1", "type=ORPO, beta=0.1")
+    if method == "RewardModel":  # a score head; the data ends every sequence with the tiny vocabulary's id 2
+        for old, new in [("from sfttool.model import DPO", "from sfttool.model import RewardModel\n"
+                          "from transformers import AutoModelForSequenceClassification"),
+                         ("type=DPO, beta=0.1,", "type=RewardModel, reward_token_id=2,"),
+                         ("llm=dict(type=AutoModelForCausalLM.from_pretrained",
+                          "llm=dict(type=AutoModelForSequenceClassification.from_pretrained, num_labels=1"),
+                         ("tokenizer=tokenizer, max_length=64,", "tokenizer=tokenizer, max_length=64, is_reward=True, "
+                          "reward_token_id=2,")]:
+            assert old in text, old
+            text = text.replace(old, new)
     if sp:
         text = text.replace("seed = 7\n", "seed = 7\n" + SEQUENCE_PARALLEL)
         text = text.replace("sampler=dict(type=DefaultSampler, shuffle=True, seed=seed)",
@@ -37,8 +48,8 @@ def preference_config(path: Path, model_dir, data_file, method: str, lora: bool,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,lora", [("DPO", True), ("DPO", False), ("ORPO", True)],
-                         ids=["dpo-lora", "dpo-full", "orpo-lora"])
+@pytest.mark.parametrize("method,lora", [("DPO", True), ("DPO", False), ("ORPO", True), ("RewardModel", True)],
+                         ids=["dpo-lora", "dpo-full", "orpo-lora", "reward-lora"])
 def test_two_ranks_sharing_each_pair_train_like_one_rank(tmp_path, tiny_qwen2_dir, pairs_jsonl, method, lora):
     from safetensors.torch import load_file
 
