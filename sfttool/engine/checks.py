@@ -196,7 +196,7 @@ def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
                                         and (model.compute_loss is SupervisedFinetune.compute_loss
                                              or getattr(model, "trains_with_sequence_parallelism", False))):
         problems.append(SequenceParallelError(f"model.type={model.__name__} does not train with sequence "
-                                              "parallelism (SupervisedFinetune, DPO, ORPO and RewardModel do): set "
+                                              "parallelism (SupervisedFinetune and the preference models do): set "
                                               "sequence_parallel_size = 1"))
     _collect(problems, check_world_size, size, world_size)
     return problems

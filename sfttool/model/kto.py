@@ -23,9 +23,6 @@ class KTO(DPO):
     ``undesirable_weight`` (the weights of the two kinds of examples' losses: raise the rarer kind's),
     and DPO's ``ref_llm`` and ``reference``."""
 
-    # Not tested with sequence parallelism yet (DPO, ORPO and the reward model are): refused until it is.
-    trains_with_sequence_parallelism = False
-
     def __init__(self, llm, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ref_llm=None,
                  reference="initial_adapter", precompute_ref_log_probs=False, **sft_args):
         for name, weight in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):

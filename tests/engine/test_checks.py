@@ -138,10 +138,10 @@ def test_processes_the_launcher_checked_do_not_report_again(tmp_path, tiny, monk
 
 
 def test_the_model_type_is_checked_before_the_model_is_built():
-    cfg = Config(dict(sequence_parallel_size=2, model=dict(type="sfttool.model.KTO"),
+    cfg = Config(dict(sequence_parallel_size=2, model=dict(type="sfttool.model.GRPO"),
                       train_dataloader=dict(sampler=dict(type="DefaultSampler"))))
     assert [str(p) for p in checks.sequence_parallel_problems(cfg, 2)] == [
-        "model.type=KTO does not train with sequence parallelism (SupervisedFinetune, DPO, ORPO and RewardModel do): "
+        "model.type=GRPO does not train with sequence parallelism (SupervisedFinetune and the preference models do): "
         "set sequence_parallel_size = 1"]
 
 

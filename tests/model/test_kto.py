@@ -242,3 +242,36 @@ def test_a_kto_config_trains_through_sfttool_train(tmp_path, tiny_llama_dir):
     log = next(work.rglob("*.log")).read_text()
     assert "KTO data: 12 rows in, 12 examples out (8 desirable, 4 undesirable)" in log
     assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_each_row_train_like_one_rank(tmp_path, tiny_qwen2_dir):
+    """sequence_parallel_size = 2 on 2 processes: each rank runs its slice of every example and KL sequence;
+    the summed log-probs are added over the group before the loss, so the run equals one process."""
+    from safetensors.torch import load_file
+
+    from sfttool.engine.train import train
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from engine_helpers import logged
+    from test_distributed import run_sfttool
+
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in unpaired_rows(12, seed=9)))
+    whole = tmp_path / "one.py"
+    whole.write_text(KTO_CONFIG.format(model_dir=str(tiny_qwen2_dir), data=str(data)))
+    split = tmp_path / "sp.py"
+    split.write_text(whole.read_text().replace("sampler=dict(type=DefaultSampler,", "sampler=dict(type="
+                                               "'sfttool.parallel.sequence.SequenceParallelSampler',")
+                     + "sequence_parallel_size = 2\n")
+    result = run_sfttool([str(split), "--work-dir", str(tmp_path / "sp"), "--nproc-per-node", "2"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one = train(str(whole), work_dir=str(tmp_path / "one"))
+    assert len(logged(tmp_path / "sp")) == len(logged(one)) == 3
+    torch.testing.assert_close(logged(tmp_path / "sp"), logged(one), rtol=1e-5, atol=0)
+    torch.testing.assert_close(logged(tmp_path / "sp", "kl"), logged(one, "kl"), rtol=1e-5, atol=1e-7)
+    a = load_file(tmp_path / "sp" / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(one / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

@@ -63,8 +63,8 @@ def config(**kwargs) -> Config:
     (config(train_dataloader=dict(sampler=dict(type=SequenceParallelSampler),
                                   dataset=dict(type="sfttool.dataset.streaming.StreamingPackedDataset"))),
      "sequence_parallel_size=2 needs a map-style dataset: turn streaming off in train_dataloader.dataset"),
-    (config(model=dict(type="sfttool.model.KTO")),
-     "model.type=KTO does not train with sequence parallelism (SupervisedFinetune, DPO, ORPO and RewardModel do)"),
+    (config(model=dict(type="sfttool.model.GRPO")),
+     "model.type=GRPO does not train with sequence parallelism (SupervisedFinetune and the preference models do)"),
 ])
 def test_config_mistakes_are_one_line_errors(cfg, message):
     problems = sequence_parallel_problems(cfg, world_size=2)
@@ -74,13 +74,13 @@ def test_config_mistakes_are_one_line_errors(cfg, message):
 
 def test_every_sequence_parallel_mistake_is_reported_at_once():
     cfg = config(train_dataloader=dict(sampler=dict(type="InfiniteSampler")), val_dataloader=dict(batch_size=1),
-                 model=dict(type="sfttool.model.KTO"))
+                 model=dict(type="sfttool.model.GRPO"))
     assert [str(p) for p in sequence_parallel_problems(cfg, world_size=3)] == [
         "sequence_parallel_size=2 needs train_dataloader.sampler = dict(type=SequenceParallelSampler, seed=None, "
         "shuffle=True) (from sfttool.parallel.sequence), so the ranks of a group read the same rows",
         "validation does not run with sequence_parallel_size=2: set val_ratio = 0 and val_data_path = None "
         "(or val_dataloader = None)",
-        "model.type=KTO does not train with sequence parallelism (SupervisedFinetune, DPO, ORPO and RewardModel do): "
+        "model.type=GRPO does not train with sequence parallelism (SupervisedFinetune and the preference models do): "
         "set sequence_parallel_size = 1",
         "sequence_parallel_size=2 must divide the number of processes (3): launch a multiple of 2 processes or "
         "change sequence_parallel_size"]
