@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.pipeline import content_fingerprint
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -62,6 +63,30 @@ def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None,
     mixed = concatenate_datasets(parts)
     log(f"Dataset mix: {len(mixed)} rows from {len(parts)} of {len(datasets)} datasets")
     return mixed.shuffle(seed=seed) if shuffle else mixed
+
+
+def mix_tables(tables: Sequence[Any], strategy: str, ratios: Sequence[float], probabilities: Sequence[float] | None,
+               stopping_strategy: str, seed: int):
+    """Encoded samples of several sources (Arrow tables) mixed into one table.
+
+    ``'concat'``: each table's samples ``ratio`` times (``sample_indices``, one seeded generator for all),
+    table 0's first. ``'interleave'``: ``datasets.interleave_datasets`` itself, with ``probabilities``
+    (None: one sample of each in turn), ``seed`` and ``stopping_strategy``, so the samples drawn are the
+    ones it draws.
+    """
+    import pyarrow as pa
+    unified = pa.concat_tables(tables, promote_options="default")  # one schema (carried columns may differ)
+    offsets = np.cumsum([0] + [len(t) for t in tables])
+    parts = [unified.slice(offsets[i], len(t)) for i, t in enumerate(tables)]
+    if strategy == "concat":
+        rng = np.random.default_rng(seed)
+        picked = [part.take(sample_indices(len(part), float(r), rng)) for part, r in zip(parts, ratios)]
+        return pa.concat_tables(picked).combine_chunks()
+    from datasets import Dataset, interleave_datasets
+    datasets = [Dataset(part, fingerprint=content_fingerprint(part)) for part in parts]
+    mixed = interleave_datasets(datasets, probabilities=None if probabilities is None else list(probabilities),
+                                seed=seed, stopping_strategy=stopping_strategy)
+    return mixed.with_format("arrow")[:].combine_chunks()
 
 
 BUILDER.register_module(name="mix_datasets", module=mix_datasets, force=True)

@@ -60,13 +60,14 @@ class PipelineReport:
     split: dict[int, int] = field(default_factory=dict)  # samples a conversation became (> 1) -> conversations
     # Rows the dataset map fn left with an empty conversation -> what it changed, until they are dropped.
     emptied: dict[int, list[str]] = field(default_factory=dict)
+    sources: list[Any] = field(default_factory=list)  # data_sources.SourceStats, one per source of a mix
 
     def drop(self, reason: str, rows: list[str], count: int | None = None) -> None:
         """Count ``count`` (default: ``len(rows)``) dropped rows; keep the first rows' names."""
         _tally(self.dropped, self.drop_examples, reason, rows, len(rows) if count is None else count)
 
-    def change(self, note: str, rows: list[str]) -> None:
-        _tally(self.changed, self.change_examples, note, rows, len(rows))
+    def change(self, note: str, rows: list[str], count: int | None = None) -> None:
+        _tally(self.changed, self.change_examples, note, rows, len(rows) if count is None else count)
 
 
 def _tally(counts: dict[str, int], named: dict[str, list[str]], key: str, rows: list[str], count: int) -> None:
