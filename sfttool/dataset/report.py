@@ -109,9 +109,19 @@ def split_lines(report: PipelineReport) -> list[str]:
 
 
 def count_split(report: PipelineReport, rows_of_samples) -> None:
-    """Count conversations by the samples they became, from each sample's row number (in order)."""
+    """Count conversations by the samples they became, from each sample's row number (in order): a
+    conversation's samples are consecutive, so a run of one number is one conversation (a source's
+    ``slice`` may use a row again further on: that is another conversation).
+
+    >>> report = PipelineReport(); count_split(report, [0, 0, 1, 2, 2, 0, 0]); report.split
+    {2: 3}
+    """
     import numpy as np
-    _, samples = np.unique(np.asarray(rows_of_samples), return_counts=True)
+    numbers = np.asarray(rows_of_samples)
+    if not len(numbers):
+        return
+    starts = np.flatnonzero(np.r_[True, numbers[1:] != numbers[:-1]])
+    samples = np.diff(np.r_[starts, len(numbers)])
     for many, n in zip(*np.unique(samples[samples > 1], return_counts=True)):
         report.split[int(many)] = report.split.get(int(many), 0) + int(n)
 

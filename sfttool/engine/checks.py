@@ -32,9 +32,11 @@ import torch
 from sfttool.config import ConfigError, validate_config
 from sfttool.config.arguments import typed_nodes
 from sfttool.config.settings import setting
+from sfttool.dataset.data_sources import process_data_sources
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
 from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
+from sfttool.dataset.source_stages import check_sources
 from sfttool.dataset.streaming import StreamingPackedDataset, refuse_changed_results
 from sfttool.dataset.streaming import check_settings as check_stream_settings
 from sfttool.engine.deepspeed import deepspeed_config
@@ -130,6 +132,11 @@ def _check_stream(a: dict) -> None:
                           a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], a["with_image_token"])
 
 
+def _check_sources(a: dict) -> None:
+    check_pipeline_settings(a["max_length"], a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], False)
+    check_sources(a["data_sources"], a["mix_strategy"], a["mix_probabilities"], a["stopping_strategy"])
+
+
 # The dataset builders' own checks of their settings (run again when the dataset is built), and what they read.
 _SETTINGS = ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy", "with_image_token",
              "max_dataset_length")
@@ -137,6 +144,9 @@ DATASET_SETTING_CHECKS = {
     process_hf_dataset: (_check_pipeline, _SETTINGS),
     StreamingPackedDataset: (_check_stream, _SETTINGS + ("rename_maps", "do_dataset_tokenization", "buffer_size",
                                                          "encode_chunk", "rows_per_epoch")),
+    process_data_sources: (_check_sources, ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy",
+                                            "data_sources", "mix_strategy", "mix_probabilities",
+                                            "stopping_strategy")),
 }
 
 
