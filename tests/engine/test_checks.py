@@ -152,3 +152,19 @@ def test_the_dataset_builders_settings_are_checked_before_anything_is_built():
         "remove pack_strategy, or use process_hf_dataset"]
     cfg.train_dataloader.dataset.update(pack_strategy="bfd", max_length=dict(type="sfttool.assets.longest"))
     assert checks.dataset_setting_problems(cfg) == []  # built lazily: left to the builder
+
+
+def test_data_sources_settings_are_checked_before_anything_is_built():
+    """Every problem of PART 1's data_sources and mix settings, one line each, under the dataset's key."""
+    from sfttool.dataset import process_data_sources
+
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(
+        type=process_data_sources, tokenizer=None, max_length=64, mix_strategy="interleave",
+        mix_probabilities=[0.9, 0.2],
+        data_sources=[dict(data_path="missing.jsonl"), dict(name="b", data_path="tatsu-lab/alpaca", filtr=None)]))))
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: data_sources[0].data_path 'missing.jsonl': no such file or folder; set "
+        "data_sources[0].data_path to your data file, a folder or a glob, or a dataset name on the hub\n"
+        "data_sources[1]: unknown key 'filtr'; did you mean 'filter_fn'? a source takes data_path, name, subset, "
+        "split, map_fn, filter_fn, slice, ratio\n"
+        "mix_probabilities [0.9, 0.2] sum to 1.1; they must sum to 1"]
