@@ -186,7 +186,11 @@ def load_source(index: int, source: dict) -> tuple[Any, str, int]:
     if source.get("subset"):
         config["name"] = source["subset"]
     files = source_name(config)
-    name = DataSource(f"{label} {files}", files.files, files.field) if isinstance(files, DataSource) else label
+    if isinstance(files, DataSource):  # local JSON files: named as read, and rows can be read again from them
+        named = f"data_sources[{index}] ({source['name']})" if source.get("name") else f"data_sources[{index}]"
+        name = DataSource(f"{named} {files}", files.files, files.field)
+    else:
+        name = label
     try:
         dataset = resolve_dataset(config, source.get("split") or "train")
     except DatasetError as exc:

@@ -96,8 +96,8 @@ def show_row(row: dict) -> str:
     return "\n".join(lines)
 
 
-def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
-    names = {"loaded": "raw row", "map_fn": "after dataset_map_fn", "template": "after template_map_fn"}
+def print_stages(report, tokenizer, echo: Echo, color: bool, map_fn_key: str = "dataset_map_fn") -> None:
+    names = {"loaded": "raw row", "map_fn": f"after {map_fn_key}", "template": "after template_map_fn"}
     for key, title in names.items():
         if key in report.stages and len(report.stages[key]):
             echo(f"\n== {title} (row 0) ==\n{show_row(report.stages[key][0])}")
@@ -330,7 +330,7 @@ def check_sources_node(node: dict, findings: Findings, max_errors: int, echo: Ec
     for stats in report.sources:
         echo(f"\n######## {stats.label} ########")
         check_turn_ends(stats.report, tokenizer, findings)
-        print_stages(stats.report, tokenizer, echo, color)
+        print_stages(stats.report, tokenizer, echo, color, "map_fn and filter_fn")
     for line in change_lines(report):
         findings.warn(line)
     print_stats(report, args, batch_size, echo)

@@ -45,7 +45,7 @@ def test_slice_wraps_around_in_order(files):
     assert wrapped_indices(range(7), 3).tolist() == [0, 1, 2, 0, 1, 2, 0]
     rows, name, read = load_source(1, dict(data_path=str(files["alpaca"]), slice=range(3 * 8)))
     assert read == 8 and rows[ROW_COLUMN] == list(range(8)) * 3
-    assert str(name) == f"data_sources[1] ({files['alpaca']}) {files['alpaca']}"
+    assert str(name) == f"data_sources[1] {files['alpaca']}"  # the file once, as errors name it
     rows, _, _ = load_source(0, dict(data_path=str(files["alpaca"]), slice=[7, 9, 2]))
     assert rows[ROW_COLUMN] == [7, 1, 2] and rows["instruction"] == ["b question 7", "b question 1", "b question 2"]
 
@@ -99,7 +99,7 @@ def test_filter_returning_a_non_bool_names_source_row_and_fix(files, tiny_tokeni
     turns = len(assets.tiny_conversations(12, seed=1)[0]["conversation"])
     with pytest.raises(DatasetError) as err:
         unpacked([dict(data_path=str(files["chat"]), filter_fn=count_turns)], tiny_tokenizer)
-    assert str(err.value) == (f"data_sources[0] ({files['chat']}) {files['chat']}, row 0: filter_fn count_turns "
+    assert str(err.value) == (f"data_sources[0] {files['chat']}, row 0: filter_fn count_turns "
                               f"returned int {turns}, not a bool; return True to keep the row, False to drop it")
 
 

@@ -168,3 +168,23 @@ def test_data_sources_settings_are_checked_before_anything_is_built():
         "data_sources[1]: unknown key 'filtr'; did you mean 'filter_fn'? a source takes data_path, name, subset, "
         "split, map_fn, filter_fn, slice, ratio\n"
         "mix_probabilities [0.9, 0.2] sum to 1.1; they must sum to 1"]
+
+
+def test_the_template_check_covers_data_sources(tiny_tokenizer_dir):
+    """train's template check (preflight.template_problems) reads a process_data_sources node as it reads
+    process_hf_dataset's: llama3_chat on a ChatML tokenizer is found before any data is processed."""
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset import process_data_sources
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    from sfttool.engine.preflight import template_problems
+
+    def node(template):
+        return Config(dict(train_dataloader=dict(dataset=dict(
+            type=process_data_sources, data_sources=[dict(data_path="tatsu-lab/alpaca")], max_length=64,
+            tokenizer=dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=str(tiny_tokenizer_dir)),
+            template_map_fn=dict(type=template_map_fn_factory, template=template)))))
+
+    assert template_problems(node("llama3_chat"))[0].startswith(
+        "the configured template renders differently from the tokenizer's chat_template")
+    assert template_problems(node("qwen_chat")) == []
