@@ -126,19 +126,23 @@ def merged_report(stats: list[SourceStats], mixed) -> PipelineReport:
     token counts of the samples used."""
     merged = PipelineReport(rows_in=sum(s.sliced for s in stats))
     for source in stats:
-        report = source.report
-        for why, n in report.dropped.items():
-            merged.drop(f"{source.label}: {why}", report.drop_examples.get(why, []), count=n)
-        for what, n in report.changed.items():
-            merged.change(f"{source.label}: {what}", report.change_examples.get(what, []), count=n)
-        merged.encoded += report.encoded
-        merged.truncated += report.truncated
-        merged.tokens_cut += report.tokens_cut
-        for many, n in report.split.items():
-            merged.split[many] = merged.split.get(many, 0) + n
+        merge_counts(merged, source.label, source.report)
     count_tokens(mixed, merged)
     merged.sources = stats
     return merged
+
+
+def merge_counts(merged: PipelineReport, label: str, report: PipelineReport) -> None:
+    """A source's drops and changes into ``merged``, under its ``label``; its sample counts added."""
+    for why, n in report.dropped.items():
+        merged.drop(f"{label}: {why}", report.drop_examples.get(why, []), count=n)
+    for what, n in report.changed.items():
+        merged.change(f"{label}: {what}", report.change_examples.get(what, []), count=n)
+    merged.encoded += report.encoded
+    merged.truncated += report.truncated
+    merged.tokens_cut += report.tokens_cut
+    for many, n in report.split.items():
+        merged.split[many] = merged.split.get(many, 0) + n
 
 
 def pack_sources(mixed, per_source: bool, pack_to_max_length: bool, max_length: int, strategy: str,

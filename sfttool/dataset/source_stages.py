@@ -30,7 +30,7 @@ from sfttool.dataset.pipeline import number_rows
 from sfttool.dataset.report import PipelineReport
 from sfttool.dataset.resolve import resolve_dataset, source_name
 from sfttool.dataset.source import DataSource
-from sfttool.dataset.stages import fn_name, row_name
+from sfttool.dataset.stages import SafeMapFn, check_dicts, count_notes, fn_name, note_emptied, row_name
 
 # What a source may set, and what each means.
 SOURCE_KEYS = {
@@ -177,6 +177,16 @@ def wrapped_indices(indices: Sequence[int], rows: int) -> np.ndarray:
     return np.asarray(list(indices), dtype=np.int64) % rows
 
 
+def error_name(index: int, source: dict, config: dict) -> str:
+    """What errors call a source read by ``config``: ``data_sources[1] (name) data.jsonl`` for local JSON
+    files (a ``DataSource``, which can read a row again from them), else its label."""
+    files = source_name(config)
+    if not isinstance(files, DataSource):
+        return source_label(index, source)
+    named = f"data_sources[{index}] ({source['name']})" if source.get("name") else f"data_sources[{index}]"
+    return DataSource(f"{named} {files}", files.files, files.field)
+
+
 def load_source(index: int, source: dict) -> tuple[Any, str, int]:
     """``(rows, name for messages, rows read)``: the source's split, numbered as loaded (``ROW_COLUMN``),
     then sliced. Local JSON files are checked line by line first, as ``data_path``'s are."""
@@ -185,12 +195,7 @@ def load_source(index: int, source: dict) -> tuple[Any, str, int]:
     config = dict(type=load_data_path, path=source["data_path"])
     if source.get("subset"):
         config["name"] = source["subset"]
-    files = source_name(config)
-    if isinstance(files, DataSource):  # local JSON files: named as read, and rows can be read again from them
-        named = f"data_sources[{index}] ({source['name']})" if source.get("name") else f"data_sources[{index}]"
-        name = DataSource(f"{named} {files}", files.files, files.field)
-    else:
-        name = label
+    name = error_name(index, source, config)
     try:
         dataset = resolve_dataset(config, source.get("split") or "train")
     except DatasetError as exc:
@@ -217,22 +222,56 @@ def count_removed(before: np.ndarray, after: np.ndarray, cause: str, report: Pip
         report.drop(cause, [row_name(n) for n, _ in gone], count=sum(c for _, c in gone))
 
 
+def filter_row(fn: Callable, row: dict, number: int, source: str | None) -> bool:
+    """``fn(row)``, which must be a bool; anything else, or an exception, is an error naming the row."""
+    try:
+        kept = fn(row)
+    except Exception as exc:  # a user fn may raise anything: say where
+        raise DatasetError(f"{where(number, source)}: filter_fn {fn_name(fn)} failed: "
+                           f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(kept, (bool, np.bool_)):
+        raise DatasetError(f"{where(number, source)}: filter_fn {fn_name(fn)} returned {type(kept).__name__} "
+                           f"{kept!r}, not a bool; return True to keep the row, False to drop it")
+    return bool(kept)
+
+
 def filter_batch(batch: dict[str, list], fn: Callable, source: str | None) -> dict[str, list]:
-    """``{KEEP_COLUMN: [bool, ...]}``: ``fn`` on each row (without sfttool's row number); anything but a
-    bool is an error naming the row, as is an exception from ``fn``."""
+    """``{KEEP_COLUMN: [bool, ...]}``: ``filter_row`` on each row (without sfttool's row number)."""
     names = [n for n in batch if n != ROW_COLUMN]
-    keep = []
-    for values, number in zip(zip(*(batch[n] for n in names)), batch[ROW_COLUMN]):
-        try:
-            kept = fn(dict(zip(names, values)))
-        except Exception as exc:  # a user fn may raise anything: say where
-            raise DatasetError(f"{where(number, source)}: filter_fn {fn_name(fn)} failed: "
-                               f"{type(exc).__name__}: {exc}") from None
-        if not isinstance(kept, (bool, np.bool_)):
-            raise DatasetError(f"{where(number, source)}: filter_fn {fn_name(fn)} returned {type(kept).__name__} "
-                               f"{kept!r}, not a bool; return True to keep the row, False to drop it")
-        keep.append(bool(kept))
-    return {KEEP_COLUMN: keep}
+    return {KEEP_COLUMN: [filter_row(fn, dict(zip(names, values)), number, source)
+                          for values, number in zip(zip(*(batch[n] for n in names)), batch[ROW_COLUMN])]}
+
+
+def map_and_filter_rows(rows: Sequence[dict], numbers: Sequence[int], map_fn: Callable | None,
+                        filter_fn: Callable | None, source: str | None,
+                        report: PipelineReport) -> tuple[list[dict], list[int]]:
+    """A streamed chunk of a source's raw rows through its map fn (None drops) and filter fn, counted as the
+    map-style stages count them: the kept rows (their other fields kept) and their numbers."""
+    check_dicts(rows, numbers, source)
+    safe = SafeMapFn(map_fn, source, "map_fn", none_drops=True) if map_fn is not None else None
+    kept, kept_numbers, returned_none, filtered = [], [], [], []
+    mapped_notes, mapped_numbers, mapped_conversations = [], [], []
+    for row, number in zip(rows, numbers):
+        if safe is not None:
+            changed: list[str] = []
+            mapped = safe(row, number, changed)
+            if mapped is None:
+                returned_none.append(row_name(number))
+                continue
+            row = {**row, **mapped}
+            mapped_notes.append(changed), mapped_numbers.append(number)
+            mapped_conversations.append(row.get("conversation"))
+        if filter_fn is not None and not filter_row(filter_fn, row, number, source):
+            filtered.append(row_name(number))
+            continue
+        kept.append(row), kept_numbers.append(number)
+    if safe is not None:
+        count_notes(report, mapped_notes, mapped_numbers)
+        note_emptied(report, mapped_conversations, mapped_notes, mapped_numbers)
+        report.drop(f"map_fn {fn_name(map_fn)} returned None", returned_none)
+    if filter_fn is not None:
+        report.drop(f"filter_fn {fn_name(filter_fn)} returned False", filtered)
+    return kept, kept_numbers
 
 
 def apply_filter(dataset, fn: Callable, num_proc: int | None, source: str | None, report: PipelineReport):

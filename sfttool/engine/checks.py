@@ -36,7 +36,9 @@ from sfttool.dataset.data_sources import process_data_sources
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
 from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
+from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.source_stages import check_sources
+from sfttool.dataset.streaming_sources import StreamingDataSources, stream_problems
 from sfttool.dataset.streaming import StreamingPackedDataset, refuse_changed_results
 from sfttool.dataset.streaming import check_settings as check_stream_settings
 from sfttool.engine.deepspeed import deepspeed_config
@@ -137,6 +139,15 @@ def _check_sources(a: dict) -> None:
     check_sources(a["data_sources"], a["mix_strategy"], a["mix_probabilities"], a["stopping_strategy"])
 
 
+def _check_streamed_sources(a: dict) -> None:
+    check_stream_settings(a["max_length"], a["buffer_size"], a["encode_chunk"], a["rows_per_epoch"],
+                          a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], False)
+    problems = stream_problems(a["data_sources"], a["pack_per_source"]) if isinstance(a["data_sources"], list) else []
+    if problems:
+        raise DatasetError("\n".join(problems))
+    check_sources(a["data_sources"], a["mix_strategy"], a["mix_probabilities"], a["stopping_strategy"])
+
+
 # The dataset builders' own checks of their settings (run again when the dataset is built), and what they read.
 _SETTINGS = ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy", "with_image_token",
              "max_dataset_length")
@@ -147,6 +158,10 @@ DATASET_SETTING_CHECKS = {
     process_data_sources: (_check_sources, ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy",
                                             "data_sources", "mix_strategy", "mix_probabilities",
                                             "stopping_strategy")),
+    StreamingDataSources: (_check_streamed_sources, ("max_length", "pack_to_max_length", "use_varlen_attn",
+                                                     "pack_strategy", "buffer_size", "encode_chunk", "rows_per_epoch",
+                                                     "data_sources", "mix_strategy", "mix_probabilities",
+                                                     "stopping_strategy", "pack_per_source")),
 }
 
 

@@ -188,3 +188,17 @@ def test_the_template_check_covers_data_sources(tiny_tokenizer_dir):
     assert template_problems(node("llama3_chat"))[0].startswith(
         "the configured template renders differently from the tokenizer's chat_template")
     assert template_problems(node("qwen_chat")) == []
+
+
+def test_streamed_data_sources_settings_are_checked_before_anything_is_built():
+    from sfttool.dataset.streaming_sources import StreamingDataSources
+
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(
+        type=StreamingDataSources, tokenizer=None, max_length=64, buffer_size=0,
+        data_sources=[dict(data_path="tatsu-lab/alpaca", slice=range(10))]))))
+    problems = [str(p) for p in checks.dataset_setting_problems(cfg)]
+    assert len(problems) == 1 and problems[0].startswith("train_dataloader.dataset: buffer_size must be")
+    cfg.train_dataloader.dataset.buffer_size = 100
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: data_sources[0].slice is not available when streaming: row indices need the "
+        "source's length, which a stream does not know; remove it, or use process_data_sources"]
