@@ -27,6 +27,7 @@ from sfttool.dataset.conversation import check_conversation, check_turn_keys, is
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.data_sources import process_data_sources, run_sources, source_lines
 from sfttool.dataset.mix import mix_datasets
+from sfttool.dataset.streaming_sources import StreamingDataSources, stream_problems
 from sfttool.dataset.pipeline import run_pipeline
 from sfttool.dataset.report import change_lines, drop_emptied, drop_lines, split_lines
 from sfttool.dataset.resolve import resolve_map_fn, skip_bad_rows_in, source_name, template_of
@@ -216,7 +217,7 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
         check_preference(node, findings, max_errors, echo, color, batch_size)
     elif is_prompt_node(node):
         check_prompts(node, findings, max_errors, echo, color, batch_size)
-    elif resolve_type(node["type"], "train_dataloader.dataset.type") is process_data_sources:
+    elif resolve_type(node["type"], "train_dataloader.dataset.type") in (process_data_sources, StreamingDataSources):
         check_sources_node(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
@@ -296,13 +297,16 @@ def check_source_row(row: dict, index: int, map_fn, filter_fn, source: str) -> N
 def check_sources_node(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
                        batch_size: int | None) -> None:
     """Every source's rows checked (all of them, before any slice), then the mix built and shown source by
-    source, with each source's counts and shares."""
+    source, with each source's counts and shares. A ``StreamingDataSources`` node is checked the same way,
+    eagerly: the samples and drops are those of its one reader's first pass."""
     args = {n: p.default for n, p in inspect.signature(process_data_sources).parameters.items()
             if p.default is not inspect.Parameter.empty}
     args.update({k: v for k, v in node.items() if k != "type"})
     sources = args["data_sources"]
-    for problem in sources_problems(sources, args["mix_strategy"], args["mix_probabilities"],
-                                    args["stopping_strategy"]):
+    streamed = resolve_type(node["type"]) is StreamingDataSources
+    refused = stream_problems(sources, args["pack_per_source"]) if streamed and isinstance(sources, list) else []
+    for problem in refused + sources_problems(sources, args["mix_strategy"], args["mix_probabilities"],
+                                              args["stopping_strategy"]):
         findings.error(f"train_dataloader.dataset: {problem}")
     if findings.count():
         return

@@ -326,3 +326,19 @@ def test_a_filter_returning_a_non_bool_is_an_error_naming_the_row(tmp_path, tiny
     assert code == 1, out
     assert (f"ERROR: data_sources[1] (alpaca) {alpaca}, row 0: filter_fn answered returned int 1, not a bool; "
             "return True to keep the row, False to drop it") in out
+
+
+def test_streamed_data_sources_are_checked_eagerly(tmp_path, tiny_tokenizer_dir):
+    cfg, _ = sources_config(tmp_path, tiny_tokenizer_dir)
+    text = cfg.read_text().replace("process_data_sources", "StreamingDataSources").replace(
+        "from sfttool.dataset import StreamingDataSources",
+        "from sfttool.dataset.streaming_sources import StreamingDataSources")
+    cfg.write_text(text)
+    code, out = check(cfg)
+    assert code == 1, out
+    assert ("ERROR: train_dataloader.dataset: data_sources[1].slice is not available when streaming: row indices "
+            "need the source's length, which a stream does not know; remove it, or use process_data_sources") in out
+    cfg.write_text(text.replace(", slice=range(6)", ""))
+    code, out = check(cfg)
+    assert code == 0, out
+    assert "data_sources[1] (alpaca): 3 rows read, 2 after map/filter, 2 samples, 2 used, " in out
