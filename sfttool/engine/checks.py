@@ -70,6 +70,7 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     if type_name((cfg.get("train_cfg") or {}).get("type")) == "GRPOLoop":  # its rounds fit its steps
         _collect(found.errors, check_loop_config, cfg)
     found.errors += dataset_setting_problems(cfg)
+    found.errors += [ConfigError(line) for line in stream_sampler_problems(cfg)]
     found.errors += sequence_parallel_problems(cfg, world_size)
     if options.deepspeed:
         _collect(found.errors, deepspeed_config, options.deepspeed, cfg, world_size=world_size)
@@ -181,6 +182,17 @@ def dataset_setting_problems(cfg: Any) -> list[SfttoolError]:
             for error in found:
                 problems.setdefault(str(error), type(error)(f"{key}: {error}"))
     return list(problems.values())
+
+
+def stream_sampler_problems(cfg: Any) -> list[str]:
+    """A sampler on a streamed dataset (which reads its rows in its own seeded order): one line, else
+    torch's DataLoader refuses it with a traceback once the model is built."""
+    loader = cfg.get("train_dataloader") or {}
+    kind = _type_of(loader.get("dataset"))
+    if not _is_a(kind, torch.utils.data.IterableDataset) or loader.get("sampler") is None:
+        return []
+    return [f"train_dataloader.sampler: {kind.__name__} is a stream, read in its own seeded order (set_epoch "
+            "varies it per epoch); set sampler=None"]
 
 
 def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:

@@ -202,3 +202,18 @@ def test_streamed_data_sources_settings_are_checked_before_anything_is_built():
     assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
         "train_dataloader.dataset: data_sources[0].slice is not available when streaming: row indices need the "
         "source's length, which a stream does not know; remove it, or use process_data_sources"]
+
+
+def test_a_sampler_on_a_stream_is_one_line():
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    from sfttool.dataset.streaming_sources import StreamingDataSources
+
+    for stream in (StreamingPackedDataset, StreamingDataSources):
+        cfg = Config(dict(train_dataloader=dict(dataset=dict(type=stream), sampler=dict(type="DefaultSampler"))))
+        assert checks.stream_sampler_problems(cfg) == [
+            f"train_dataloader.sampler: {stream.__name__} is a stream, read in its own seeded order (set_epoch "
+            "varies it per epoch); set sampler=None"]
+        cfg.train_dataloader.sampler = None
+        assert checks.stream_sampler_problems(cfg) == []
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(type=process_hf_dataset), sampler=dict(type="DefaultSampler"))))
+    assert checks.stream_sampler_problems(cfg) == []
