@@ -58,9 +58,10 @@ class SourceStats:
 
 
 def source_samples(index: int, source: dict, tokenizer: Any, max_length: int, template_map_fn: Any,
-                   remove_unused_columns: bool, input_ids_with_output: bool, map_num_proc: int | None,
-                   keep_stages: bool, skip_bad_rows: bool) -> tuple[Any, SourceStats]:
-    """One source's encoded samples (an Arrow table) and its counts."""
+                   input_ids_with_output: bool, map_num_proc: int | None, keep_stages: bool,
+                   skip_bad_rows: bool) -> tuple[Any, SourceStats]:
+    """One source's encoded samples (an Arrow table of the token columns only: the sources' raw columns
+    differ) and its counts."""
     dataset, name, read = load_source(index, source)
     stats = SourceStats(source_label(index, source), read, len(dataset))
     report = stats.report = PipelineReport(rows_in=len(dataset))
@@ -81,7 +82,7 @@ def source_samples(index: int, source: dict, tokenizer: Any, max_length: int, te
     if not len(dataset):
         raise DatasetError(f"{stats.label}: no rows left after map_fn and filter_fn: " + "; ".join(
             f"{n} dropped ({why})" for why, n in report.dropped.items()))
-    table = sample_table(dataset, tokenizer, max_length, report, None, template_map_fn, (), remove_unused_columns,
+    table = sample_table(dataset, tokenizer, max_length, report, None, template_map_fn, (), True,
                          input_ids_with_output, map_num_proc, True, name, keep_stages, skip_bad_rows)
     stats.samples = len(table)
     return table, stats
@@ -179,7 +180,7 @@ def source_lines(report: PipelineReport, strategy: str) -> list[str]:
 def run_sources(data_sources: list[dict], tokenizer: Any, max_length: int, template_map_fn: Any = None,
                 mix_strategy: str = "concat", mix_probabilities: Any = None,
                 stopping_strategy: str = "first_exhausted", pack_per_source: bool = False,
-                remove_unused_columns: bool = False, shuffle_before_pack: bool = True,
+                shuffle_before_pack: bool = True,
                 pack_to_max_length: bool = True, input_ids_with_output: bool = True, map_num_proc: int | None = None,
                 seed: int = 0, pack_strategy: str = "bfd", keep_stages: bool = False,
                 skip_bad_rows: bool = False):
@@ -190,8 +191,7 @@ def run_sources(data_sources: list[dict], tokenizer: Any, max_length: int, templ
     tables, stats = [], []
     for index, source in enumerate(data_sources):
         table, source_stats = source_samples(index, source, tokenizer, max_length, template_map_fn,
-                                             remove_unused_columns or pack_to_max_length, input_ids_with_output,
-                                             map_num_proc, keep_stages, skip_bad_rows)
+                                             input_ids_with_output, map_num_proc, keep_stages, skip_bad_rows)
         tables.append(tag_source(table, index))
         stats.append(source_stats)
     ratios = [1.0 if s.get("ratio") is None else float(s["ratio"]) for s in data_sources]
@@ -213,13 +213,14 @@ def process_data_sources(data_sources: list[dict], tokenizer: Any = None, max_le
                          template_map_fn: Any = None, mix_strategy: str = "concat", mix_probabilities: Any = None,
                          stopping_strategy: str = "first_exhausted", pack_per_source: bool = False,
                          part: str = "train", val_source: str | None = None, val_split: str = "test",
-                         remove_unused_columns: bool = False, shuffle_before_pack: bool = True,
+                         shuffle_before_pack: bool = True,
                          pack_to_max_length: bool = True, use_varlen_attn: bool = False,
                          input_ids_with_output: bool = True, map_num_proc: int | None = None, seed: int = 0,
                          pack_strategy: str = "bfd", skip_bad_rows: bool = False):
     """The training (``part='train'``) or validation (``part='val'``: the source named ``val_source``, its
     ``val_split``, every row once) rows of PART 1's ``data_sources``; the other arguments are
-    ``process_hf_dataset``'s. See the module docstring."""
+    ``process_hf_dataset``'s. Rows hold the token columns only (as with ``remove_unused_columns=True``):
+    the sources' raw columns differ. See the module docstring."""
     check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, False)
     check_sources(data_sources, mix_strategy, mix_probabilities, stopping_strategy)
     if part not in ("train", "val"):
@@ -227,10 +228,12 @@ def process_data_sources(data_sources: list[dict], tokenizer: Any = None, max_le
     if part == "val":
         data_sources, mix_strategy, mix_probabilities = [validation_source(data_sources, val_source, val_split)], \
             "concat", None
-    dataset, report = run_sources(data_sources, tokenizer, max_length, template_map_fn, mix_strategy,
-                                  mix_probabilities, stopping_strategy, pack_per_source, remove_unused_columns,
-                                  shuffle_before_pack, pack_to_max_length, input_ids_with_output, map_num_proc,
-                                  seed, pack_strategy, skip_bad_rows=skip_bad_rows)
+    dataset, report = run_sources(
+        data_sources, tokenizer, max_length, template_map_fn, mix_strategy=mix_strategy,
+        mix_probabilities=mix_probabilities, stopping_strategy=stopping_strategy, pack_per_source=pack_per_source,
+        shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
+        input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed, pack_strategy=pack_strategy,
+        skip_bad_rows=skip_bad_rows)
     log_report(report, max_length)
     for line in source_lines(report, mix_strategy):
         log(f"Dataset sources: {line}")

@@ -65,6 +65,13 @@ def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None,
     return mixed.shuffle(seed=seed) if shuffle else mixed
 
 
+def unified_table(tables: Sequence[Any]):
+    """The tables one after another in one schema (int32 and int64 token columns, as encoders write them,
+    meet as int64)."""
+    import pyarrow as pa
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
 def mix_tables(tables: Sequence[Any], strategy: str, ratios: Sequence[float], probabilities: Sequence[float] | None,
                stopping_strategy: str, seed: int):
     """Encoded samples of several sources (Arrow tables) mixed into one table.
@@ -74,14 +81,13 @@ def mix_tables(tables: Sequence[Any], strategy: str, ratios: Sequence[float], pr
     (None: one sample of each in turn), ``seed`` and ``stopping_strategy``, so the samples drawn are the
     ones it draws.
     """
-    import pyarrow as pa
-    unified = pa.concat_tables(tables, promote_options="default")  # one schema (carried columns may differ)
+    unified = unified_table(tables)
     offsets = np.cumsum([0] + [len(t) for t in tables])
     parts = [unified.slice(offsets[i], len(t)) for i, t in enumerate(tables)]
     if strategy == "concat":
         rng = np.random.default_rng(seed)
         picked = [part.take(sample_indices(len(part), float(r), rng)) for part, r in zip(parts, ratios)]
-        return pa.concat_tables(picked).combine_chunks()
+        return unified_table(picked).combine_chunks()
     from datasets import Dataset, interleave_datasets
     datasets = [Dataset(part, fingerprint=content_fingerprint(part)) for part in parts]
     mixed = interleave_datasets(datasets, probabilities=None if probabilities is None else list(probabilities),

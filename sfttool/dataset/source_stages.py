@@ -90,9 +90,13 @@ def _source_problems(i: int, source: Any) -> list[str]:
         problems.append(f"{key}: no data_path; set data_path to {SOURCE_KEYS['data_path']}")
     else:
         try:
-            data_source(source["data_path"], key=f"{key}.data_path")  # a missing local file, said now
+            found = data_source(source["data_path"], key=f"{key}.data_path")  # a missing local file, said now
         except DatasetError as exc:
             problems.append(str(exc).replace(" (PART 1 of the config)", ""))
+        else:
+            if source.get("subset") and "data_files" in found:
+                problems.append(f"{key}.subset: local files have no subsets (a hub dataset's configurations); "
+                                "remove subset, or point data_path at the file of the subset you want")
     for name in ("map_fn", "filter_fn"):
         fn = source.get(name)
         if fn is not None and not callable(fn) and not (name == "map_fn" and isinstance(fn, (str, dict))):

@@ -33,8 +33,7 @@ def files(tmp_path):
 
 def unpacked(sources, tok, **kw):
     """``run_sources`` without packing or shuffling: one sample per row, in mixed order."""
-    kw = dict(dict(template_map_fn=QWEN, pack_to_max_length=False, shuffle_before_pack=False, seed=0,
-                   remove_unused_columns=True), **kw)
+    kw = dict(dict(template_map_fn=QWEN, pack_to_max_length=False, shuffle_before_pack=False, seed=0), **kw)
     return run_sources(sources, tok, 128, **kw)
 
 
@@ -117,7 +116,7 @@ def test_every_row_dropped_names_the_source(files, tiny_tokenizer):
 def test_one_source_equals_data_path(files, tiny_tokenizer, pack):
     path = str(files["alpaca"])
     today = process_hf_dataset(dict(type=load_data_path, path=path), tiny_tokenizer, 64, dataset_map_fn=alpaca_map_fn,
-                               template_map_fn=QWEN, pack_to_max_length=pack, seed=7)
+                               template_map_fn=QWEN, pack_to_max_length=pack, seed=7, remove_unused_columns=True)
     sources = process_data_sources([dict(data_path=path, map_fn=alpaca_map_fn)], tiny_tokenizer, 64, QWEN,
                                    pack_to_max_length=pack, seed=7)
     assert sources.column_names == today.column_names
@@ -260,5 +259,8 @@ def test_bad_settings_are_one_line_each(files):
         "stopping_strategy must be one of 'first_exhausted', 'all_exhausted', got 'longest'"]
     assert sources_problems([]) == ["data_sources must be a non-empty list of dict(data_path=...), one per source; "
                                     "got []"]
+    assert sources_problems([dict(good, subset="en")]) == [
+        "data_sources[0].subset: local files have no subsets (a hub dataset's configurations); remove subset, or "
+        "point data_path at the file of the subset you want"]
     assert sources_problems([dict(good, ratio=-1)]) == [
         "data_sources[0].ratio: expected a finite number >= 0 (1.0: every row once), got -1"]

@@ -64,8 +64,7 @@ def test_one_reader_streams_the_samples_process_data_sources_makes(sources, tiny
                                                                     stopping):
     kw = dict(mix_strategy=strategy, mix_probabilities=probabilities, stopping_strategy=stopping,
               pack_to_max_length=False, seed=4)
-    mapped, report = run_sources(sources, tiny_tokenizer, 64, QWEN, shuffle_before_pack=False,
-                                 remove_unused_columns=True, **kw)
+    mapped, report = run_sources(sources, tiny_tokenizer, 64, QWEN, shuffle_before_pack=False, **kw)
     stream = StreamingDataSources(sources, tiny_tokenizer, 64, QWEN, encode_chunk=3, **kw)
     streamed = [(list(r["input_ids"]), list(r["labels"])) for r in stream]
     assert streamed == [(r["input_ids"], r["labels"]) for r in mapped]
