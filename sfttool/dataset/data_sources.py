@@ -76,8 +76,8 @@ def source_samples(index: int, source: dict, tokenizer: Any, max_length: int, te
         count_removed(before, _numbers(dataset), f"map_fn {fn_name(map_fn)} returned None", report)
     if source.get("filter_fn") is not None:
         dataset = apply_filter(dataset, source["filter_fn"], num_proc, name, report)
-    if keep_stages and map_fn is not None:
-        report.stages["map_fn"] = dataset
+    if keep_stages and (map_fn is not None or source.get("filter_fn") is not None):
+        report.stages["map_fn"] = dataset  # what check-custom-dataset shows "after map_fn and filter_fn"
     stats.kept = len(dataset)
     if not len(dataset):
         raise DatasetError(f"{stats.label}: no rows left after map_fn and filter_fn: " + "; ".join(
