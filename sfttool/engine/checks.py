@@ -49,6 +49,7 @@ from sfttool.engine.spec import TrainOptions, accumulative_counts, validation_en
 from sfttool.engine.tracking import check_trackers
 from sfttool.errors import SfttoolError
 from sfttool.model.sft import SupervisedFinetune
+from sfttool.model.vision import base_model, is_vision_language
 from sfttool.parallel.groups import SequenceParallelError, check_world_size
 from sfttool.parallel.sampler import shares_rows_by_group
 from sfttool.registry import ConfigBuildError, resolve_type, type_name
@@ -242,6 +243,10 @@ def check_built_model(model: Any, size: int) -> None:
     divide among the ranks of a group."""
     if size == 1:
         return
+    if is_vision_language(model.llm):
+        raise SequenceParallelError(f"sequence_parallel_size={size}: sequence parallelism is not available for "
+                                    f"vision-language checkpoints ({type(base_model(model.llm)).__name__}) yet; "
+                                    "set sequence_parallel_size = 1")
     config = model.llm.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -1,7 +1,8 @@
 """LoRA / QLoRA with peft.
 
 ``target_modules=None`` means every linear layer except the LM head (bnb's
-``Linear4bit``/``Linear8bitLt`` subclass ``nn.Linear``, so QLoRA is covered).
+``Linear4bit``/``Linear8bitLt`` subclass ``nn.Linear``, so QLoRA is covered); in a
+vision-language model, those of its language model.
 A quantized model first goes through ``prepare_model_for_kbit_training``
 (frozen base, norms and head in float32); a plain model does not, because that
 function would also upcast every bf16 weight to float32.
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from sfttool.model.vision import is_vision_language, language_model_targets
 from sfttool.registry import ConfigBuildError, build_if_config
 
 
@@ -53,8 +55,16 @@ def apply_lora(llm: torch.nn.Module, lora_config: Any, use_activation_checkpoint
             llm, use_gradient_checkpointing=use_activation_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_config.target_modules is None:
-        lora_config.target_modules = find_linear_names(llm)
+        lora_config.target_modules = default_targets(llm)
     return get_peft_model(llm, lora_config)
+
+
+def default_targets(llm: torch.nn.Module) -> str | list[str]:
+    """Every linear layer of the language model but its head (a vision-language model's vision tower
+    and projector are left out: ``sfttool.model.vision``)."""
+    if not is_vision_language(llm):
+        return find_linear_names(llm)
+    return language_model_targets(llm, find_linear_names(llm.get_decoder()))
 
 
 def load_adapter_folder(peft_llm: torch.nn.Module, path: str | os.PathLike) -> None:

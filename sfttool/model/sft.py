@@ -31,6 +31,7 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
+from sfttool.model.vision import freeze_vision, is_vision_language, packed_position_ids, uses_multimodal_rope
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -61,6 +62,8 @@ class SupervisedFinetune(BaseModel):
             positions' logits at once), or a fused GPU kernel: 'liger' or
             'cut_cross_entropy' (pip extras ``liger`` / ``cce``).
         loss_chunk_size: trained positions per chunk of the loss.
+        freeze_vision_tower: a vision-language checkpoint's vision tower and projector stay frozen
+            (``sfttool.model.vision``); False trains them too (full fine-tuning only).
     """
 
     # sfttool.registry.build hands `llm` over as a config: build_llm fixes
@@ -70,7 +73,7 @@ class SupervisedFinetune(BaseModel):
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
                  loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
-                 data_preprocessor=None):
+                 freeze_vision_tower=True, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
         check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
@@ -84,6 +87,11 @@ class SupervisedFinetune(BaseModel):
         compat.disable_bnb_cpu_weight_repacking(llm)
         self.lora = build_lora_config(lora) if lora is not None else None
         self.use_lora = self.lora is not None
+        if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
+            raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
+                                   "train the vision tower with full fine-tuning (lora=None) or keep it frozen")
+        self.frozen_vision_parameters = freeze_vision(llm, freeze_vision_tower)
+        self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
         self.llm = llm
         # Flash-attention derives varlen boundaries from position_ids only for a
         # single row (transformers 5): give it the batch as one row.
@@ -184,6 +192,8 @@ class SupervisedFinetune(BaseModel):
         if split is not None:
             input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
             kwargs["sequence_parallel"] = split
+        elif self.multimodal_rope:
+            position_ids = packed_position_ids(position_ids)
         return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
 
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:
