@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.dataset.mix import mix_tables
+from sfttool.dataset.mix import mix_indices, unified_table
 from sfttool.dataset.pack import PackStats
 from sfttool.dataset.pipeline import (SOURCE_COLUMN, apply_map_fn, check_settings, default_num_proc, finish_rows,
                                       sample_table)
@@ -101,8 +101,14 @@ def tag_source(table, index: int):
     return table.append_column(SOURCE_COLUMN, pa.array(np.full(len(table), index, dtype=np.int32)))
 
 
+def mixed_counts(unified, samples: np.ndarray):
+    """The mixed samples' source, length and trained tokens (small columns, taken in mix order)."""
+    return unified.select([SOURCE_COLUMN, "length", "num_trained"]).take(samples)
+
+
 def count_used(mixed, stats: list[SourceStats], requested: list[float]) -> None:
-    """Samples, tokens and trained tokens each source has in the mix, and its realised share of the samples."""
+    """Samples, tokens and trained tokens each source has in the mix (``mixed_counts``), and its realised
+    share of the samples."""
     which = mixed[SOURCE_COLUMN].to_numpy()
     used = np.bincount(which, minlength=len(stats))
     tokens = np.bincount(which, weights=mixed["length"].to_numpy(), minlength=len(stats))
@@ -146,17 +152,18 @@ def merge_counts(merged: PipelineReport, label: str, report: PipelineReport) -> 
         merged.split[many] = merged.split.get(many, 0) + n
 
 
-def pack_sources(mixed, per_source: bool, pack_to_max_length: bool, max_length: int, strategy: str,
-                 shuffle: bool, seed: int, report: PipelineReport):
-    """Pack the mixed samples together, or (``per_source``) each source's apart, source 0's rows first."""
+def pack_sources(unified, samples: np.ndarray, per_source: bool, pack_to_max_length: bool, max_length: int,
+                 strategy: str, shuffle: bool, seed: int, report: PipelineReport):
+    """Pack the mixed ``samples`` (rows of ``unified``) together, or (``per_source``) each source's apart,
+    source 0's rows first."""
     if not per_source:
-        return finish_rows(mixed, pack_to_max_length, max_length, strategy, shuffle, seed, report)
+        return finish_rows(unified, pack_to_max_length, max_length, strategy, shuffle, seed, report, samples)
     from datasets import concatenate_datasets
-    which = mixed[SOURCE_COLUMN].to_numpy()
+    which = unified[SOURCE_COLUMN].to_numpy()[samples]
     parts, packs = [], []
     for index in np.unique(which):
-        parts.append(finish_rows(mixed.take(np.flatnonzero(which == index)), pack_to_max_length, max_length,
-                                 strategy, shuffle, seed, report))
+        parts.append(finish_rows(unified, pack_to_max_length, max_length, strategy, shuffle, seed, report,
+                                 samples[which == index]))
         packs.append(report.pack)
     if pack_to_max_length:
         report.pack = PackStats(**{f.name: sum(getattr(p, f.name) for p in packs) for f in dataclasses.fields(PackStats)
@@ -195,12 +202,14 @@ def run_sources(data_sources: list[dict], tokenizer: Any, max_length: int, templ
         tables.append(tag_source(table, index))
         stats.append(source_stats)
     ratios = [1.0 if s.get("ratio") is None else float(s["ratio"]) for s in data_sources]
-    mixed = mix_tables(tables, mix_strategy, ratios, mix_probabilities, stopping_strategy, seed)
-    if len(mixed) == 0:
+    unified = unified_table(tables)
+    samples = mix_indices([len(t) for t in tables], mix_strategy, ratios, mix_probabilities, stopping_strategy, seed)
+    if len(samples) == 0:
         raise DatasetError(f"data_sources: the mix selects no sample (ratios {ratios}); raise a ratio above 0")
+    mixed = mixed_counts(unified, samples)
     count_used(mixed, stats, requested_shares(stats, mix_strategy, ratios, mix_probabilities))
     report = merged_report(stats, mixed)
-    dataset = pack_sources(mixed, pack_per_source, pack_to_max_length, max_length, pack_strategy,
+    dataset = pack_sources(unified, samples, pack_per_source, pack_to_max_length, max_length, pack_strategy,
                            shuffle_before_pack, seed, report)
     if keep_stages:
         report.stages["packed" if pack_to_max_length else "rows"] = dataset

@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from sfttool.dataset.errors import DatasetError
-from sfttool.dataset.pipeline import content_fingerprint
 from sfttool.registry import BUILDER, build_if_config
 
 
@@ -67,32 +66,33 @@ def mix_datasets(datasets: Sequence[Any], ratios: Sequence[float] | None = None,
 
 def unified_table(tables: Sequence[Any]):
     """The tables one after another in one schema (int32 and int64 token columns, as encoders write them,
-    meet as int64)."""
+    meet as int64), without copying them."""
     import pyarrow as pa
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def mix_tables(tables: Sequence[Any], strategy: str, ratios: Sequence[float], probabilities: Sequence[float] | None,
-               stopping_strategy: str, seed: int):
-    """Encoded samples of several sources (Arrow tables) mixed into one table.
+def mix_indices(sizes: Sequence[int], strategy: str, ratios: Sequence[float],
+                probabilities: Sequence[float] | None, stopping_strategy: str, seed: int) -> np.ndarray:
+    """The samples of several sources' tables (``sizes`` samples each) mixed, as row indices of the tables
+    one after another (``unified_table``): the samples themselves are taken once, by the packer.
 
     ``'concat'``: each table's samples ``ratio`` times (``sample_indices``, one seeded generator for all),
-    table 0's first. ``'interleave'``: ``datasets.interleave_datasets`` itself, with ``probabilities``
-    (None: one sample of each in turn), ``seed`` and ``stopping_strategy``, so the samples drawn are the
-    ones it draws.
+    table 0's first. ``'interleave'``: the indices ``datasets.interleave_datasets`` itself picks, with
+    ``probabilities`` (None: one of each in turn), ``seed`` and ``stopping_strategy``.
+
+    >>> mix_indices([3, 2], 'interleave', [1, 1], None, 'all_exhausted', 0).tolist()
+    [0, 3, 1, 4, 2, 3]
     """
-    unified = unified_table(tables)
-    offsets = np.cumsum([0] + [len(t) for t in tables])
-    parts = [unified.slice(offsets[i], len(t)) for i, t in enumerate(tables)]
+    offsets = np.cumsum([0] + list(sizes))
     if strategy == "concat":
         rng = np.random.default_rng(seed)
-        picked = [part.take(sample_indices(len(part), float(r), rng)) for part, r in zip(parts, ratios)]
-        return unified_table(picked).combine_chunks()
+        return np.concatenate([offset + sample_indices(n, float(r), rng)
+                               for offset, n, r in zip(offsets, sizes, ratios)]).astype(np.int64)
     from datasets import Dataset, interleave_datasets
-    datasets = [Dataset(part, fingerprint=content_fingerprint(part)) for part in parts]
-    mixed = interleave_datasets(datasets, probabilities=None if probabilities is None else list(probabilities),
+    rows = [Dataset.from_dict({"row": np.arange(offset, offset + n)}) for offset, n in zip(offsets, sizes)]
+    mixed = interleave_datasets(rows, probabilities=None if probabilities is None else list(probabilities),
                                 seed=seed, stopping_strategy=stopping_strategy)
-    return mixed.with_format("arrow")[:].combine_chunks()
+    return mixed.with_format("arrow")[:]["row"].to_numpy().astype(np.int64)
 
 
 class _Source:

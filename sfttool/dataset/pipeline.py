@@ -233,17 +233,18 @@ def require_rows(dataset, report: PipelineReport):
 
 
 def finish_rows(table, pack_to_max_length: bool, max_length: int, strategy: str, shuffle: bool, seed: int,
-                report: PipelineReport):
-    """Pack (or lay out one sample per row) and wrap as a ``datasets.Dataset``."""
+                report: PipelineReport, samples=None):
+    """Pack (or lay out one sample per row) and wrap as a ``datasets.Dataset``; ``samples``: the rows of
+    ``table`` to use, in order (``pack.pack_table``), default every row."""
     from datasets import Dataset
     from sfttool.dataset.pack import pack_table, unpacked_table
     if pack_to_max_length:
-        rows, report.pack = pack_table(table, max_length, strategy, shuffle, seed)
+        rows, report.pack = pack_table(table, max_length, strategy, shuffle, seed, samples)
     else:
-        rows = unpacked_table(table)
+        rows = unpacked_table(table, samples)
         for name in table.column_names:
             if name not in rows.column_names and name not in HELPER_COLUMNS:
-                rows = rows.append_column(name, table[name])
+                rows = rows.append_column(name, table[name] if samples is None else table[name].take(samples))
     return Dataset(rows, fingerprint=content_fingerprint(rows))
 
 
