@@ -67,3 +67,24 @@ def test_a_vision_language_checkpoint_trains_on_text_and_keeps_its_vision_weight
         assert not torch.allclose(want_logits, base(input_ids=ids).logits)  # the adapter changed something
         assert torch.allclose(loaded(input_ids=ids).logits, want_logits, atol=1e-5)
         assert torch.allclose(load_merged(qwen_vl_dir, adapter)(input_ids=ids).logits, want_logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_vision_language_run_resumes_bit_identically(tmp_path, qwen_vl_dir, tiny_sft_jsonl):
+    """--max-steps 2 (accumulation 2: a checkpoint after iteration 4), then --resume, ends where the
+    uninterrupted run ends, bit for bit (LoRA, dropout on)."""
+    from safetensors.torch import load_file
+
+    from sfttool.engine.train import train
+
+    config = vlm_config(tmp_path / "vl.py", qwen_vl_dir, tiny_sft_jsonl, lora=True)
+    options = ["train_cfg.max_epochs=0.3"]
+    full = train(str(config), work_dir=str(tmp_path / "full"), cfg_options=options)
+    part = train(str(config), work_dir=str(tmp_path / "part"), cfg_options=options, max_steps=2)
+    assert sorted(p.name for p in part.glob("iter_*")) == ["iter_4.pth"]
+    resumed = train(str(config), work_dir=str(part), cfg_options=options, resume="auto")
+    last = max(int(p.stem.split("_")[1]) for p in resumed.glob("iter_*.pth"))
+    assert last > 4  # the resumed run trained on past the interruption
+    a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
