@@ -48,6 +48,16 @@ def method(cfg: Any, model: Any) -> str:
     return f"{name} (r={rank})" if rank is not None else name
 
 
+def lora_targets(model: Any) -> str:
+    """`` LoRA on q_proj, v_proj.`` (what the adapters sit on), or '' without LoRA."""
+    from sfttool.model.lora import target_summary
+
+    llm = getattr(model, "llm", None)
+    if not getattr(model, "use_lora", False) or not hasattr(llm, "peft_config"):
+        return ""
+    return f" LoRA on {target_summary(llm)}."
+
+
 def _millions(n: int) -> str:
     return f"{n / 1e6:.2f} M"
 
@@ -126,7 +136,8 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
                f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
                f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
-            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %). {data}. {steps}. "
+            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)} "
+            f"{data}. {steps}. "
             f"{outputs}.{auto_tracking_note(cfg)}")
 
 
