@@ -180,9 +180,6 @@ def _targets_as_saved(adapter: str | os.PathLike):
     """An adapter with fused-expert targets (``target_parameters``) was trained on a transformers 5
     model: its targets load as saved (``compat.peft_targets_as_given``); others keep peft's renaming of
     transformers 4 MoE targets."""
-    import contextlib
-    import json
-
     config = json.loads((Path(adapter) / "adapter_config.json").read_text())
     return compat.peft_targets_as_given() if config.get("target_parameters") else contextlib.nullcontext()
 
