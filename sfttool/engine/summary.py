@@ -3,7 +3,8 @@ where the outputs go. Printed on rank 0 before the first iteration and kept in
 the run's log file; with ``--verbose`` the full config and hook table follow it.
 
     Training ./models/smollm2 with LoRA (r=8) in float32 on CPU (2 threads): 0.92 M of 135.4 M
-    parameters trained (0.68 %). Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step
+    parameters trained (0.68 %). LoRA on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj.
+    Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step
     (batch 1 x 16 accumulation x 1 process). 57 iterations = 4 optimizer steps = 1 epoch. Outputs in
     ./work_dirs/demo (checkpoints, log, config); the adapter goes to ./work_dirs/demo/hf_adapter.
 """

@@ -68,6 +68,10 @@ def apply_lora(llm: torch.nn.Module, lora_config: Any, use_activation_checkpoint
         check_named_targets(llm, lora_config, lora_targets)
         if lora_config.target_modules is None:  # parameters only: peft would add its default modules
             lora_config.target_modules = []
+    if lora_config.target_parameters and lora_config.lora_dropout:
+        raise ConfigBuildError(f"model.lora.lora_dropout={lora_config.lora_dropout}: LoRA on fused expert weights "
+                               f"({', '.join(sorted(lora_config.target_parameters))}) runs without dropout in peft; "
+                               "set model.lora.lora_dropout=0 (or model.lora_targets='attention')")
     if is_quantized(llm) and moe.is_moe(llm):
         freeze_upcasting_all_but_experts(llm)
     elif is_quantized(llm):
@@ -97,7 +101,8 @@ def _suffix(name: str) -> str:
 def chosen_targets(llm: torch.nn.Module, which: str) -> tuple[list[str], list[str] | None]:
     """``(target_modules, target_parameters)`` for ``which`` of ``LORA_TARGETS``.
 
-    Tiny Qwen3-MoE, 'all' -> (['self_attn.k_proj', ..., 'self_attn.v_proj'], ['experts.down_proj', 'experts.gate_up_proj'])
+    Tiny Qwen3-MoE, 'all' -> (['self_attn.k_proj', ..., 'self_attn.v_proj'],
+                              ['experts.down_proj', 'experts.gate_up_proj'])
     """
     if which not in LORA_TARGETS:
         raise ConfigBuildError(f"model.lora_targets must be one of {LORA_TARGETS}, got {which!r}")

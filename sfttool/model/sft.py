@@ -309,7 +309,8 @@ class SupervisedFinetune(BaseModel):
         # step's objective is its units' mean of (LM loss + coef * aux loss of their forward).
         aux = moe.load_balancing_loss(self.llm, router_logits, L.trained_sample_tokens(data["labels"], position_ids))
         objective = total + self.router_aux_loss_coef * aux * units
-        return {"loss": self.normalize(objective, data), **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
+        return {"loss": self.normalize(objective, data),
+                **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's

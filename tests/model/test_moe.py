@@ -213,3 +213,12 @@ def test_qlora_trains_adapters_on_quantized_attention_and_bf16_experts(arch, tin
     changed = one_step(model, unpacked_batch(rows), lr=0.1)
     assert any(".experts.lora_B" in n for n in changed)
     assert all(v > 0 for n, v in changed.items() if "lora_B" in n)
+
+
+def test_lora_dropout_with_fused_experts_is_one_line(tiny_moe_dir, make_sft):
+    from peft import LoraConfig
+
+    with pytest.raises(ConfigBuildError, match=r"^model.lora.lora_dropout=0.1: LoRA on fused expert weights "
+                                               r"\(experts.down_proj, experts.gate_up_proj\) runs without dropout"):
+        make_sft(tiny_moe_dir("mixtral"), lora=LoraConfig(r=4, lora_dropout=0.1))
+    make_sft(tiny_moe_dir("mixtral"), lora=LoraConfig(r=4, lora_dropout=0.1), lora_targets="attention")
