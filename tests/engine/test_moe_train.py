@@ -114,3 +114,14 @@ def test_two_ranks_routing_differently_finish_and_resume_bit_exactly(tmp_path, t
     b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and any(".experts.lora_B" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_part1_coefficient_reaches_the_model_config():
+    from sfttool.engine.preflight import model_cfg_in
+
+    model = dict(type="SupervisedFinetune", llm=dict(dtype="float32"))
+    assert model_cfg_in(model, "float32") is model
+    changed = model_cfg_in(model, "float32", 0.05)
+    assert changed == dict(model, router_aux_loss_coef=0.05) and "router_aux_loss_coef" not in model
+    assert model_cfg_in(model, "bfloat16", 0.0) == dict(type="SupervisedFinetune", llm=dict(dtype="bfloat16"),
+                                                        router_aux_loss_coef=0.0)

@@ -222,3 +222,19 @@ def test_lora_dropout_with_fused_experts_is_one_line(tiny_moe_dir, make_sft):
                                                r"\(experts.down_proj, experts.gate_up_proj\) runs without dropout"):
         make_sft(tiny_moe_dir("mixtral"), lora=LoraConfig(r=4, lora_dropout=0.1))
     make_sft(tiny_moe_dir("mixtral"), lora=LoraConfig(r=4, lora_dropout=0.1), lora_targets="attention")
+
+
+def test_activation_checkpointing_gives_the_same_gradients_aux_loss_included(tiny_moe_dir, make_sft, rows):
+    """The router logits are recorded in the forward; the recompute in backward records nothing more,
+    and the aux loss's gradient reaches the router as without checkpointing."""
+    data = unpacked_batch(rows, n=2)
+    grads = []
+    for checkpointing in (False, True):
+        model = make_sft(tiny_moe_dir("mixtral"), router_aux_loss_coef=0.5, use_activation_checkpointing=checkpointing)
+        model.train()
+        model(data, mode="loss")["loss"].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+    assert grads[0]["llm.model.layers.0.mlp.gate.weight"].abs().max() > 0
