@@ -22,6 +22,7 @@ processes it starts do not report again (``CHECKED_BY_LAUNCHER``).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     found.errors += dataset_setting_problems(cfg)
     found.errors += sequence_parallel_problems(cfg, world_size)
     found.errors += router_aux_loss_problems(cfg)
+    _collect(found.errors, check_lora_targets, cfg)
     if options.deepspeed:
         _collect(found.errors, deepspeed_config, options.deepspeed, cfg, world_size=world_size)
     work_dir = resolve_work_dir(cfg, options.work_dir)
@@ -207,6 +209,36 @@ def router_aux_loss_problems(cfg: Any) -> list[SfttoolError]:
         return [ConfigError(f"router_aux_loss_coef={coef}: the model ({type(config).__name__}) has no router "
                             "load-balancing loss (a dense model, or an MoE balanced otherwise); remove the setting")]
     return []
+
+
+def check_lora_targets(cfg: Any) -> None:
+    """``model.lora``'s targets (or ``model.lora_targets``' choice) against the model's modules and
+    parameters, on a copy of the model on the meta device (no weights: seconds even for a 30B model).
+    Run for mixture-of-experts models and wherever the config names targets; the build checks again."""
+    model, config = cfg.get("model") or {}, _llm_config(cfg)
+    lora = model.get("lora") if isinstance(model, dict) else None
+    if lora is None or config is None:
+        return
+    from sfttool.model.lora import build_lora_config, resolve_targets
+
+    lora_config = build_lora_config(copy.deepcopy(lora))
+    named = lora_config.target_modules is not None or lora_config.target_parameters
+    which = model.get("lora_targets", "all")
+    if not (named or which != "all" or _has_experts(config)):
+        return
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            llm = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError, TypeError):  # not a causal LM transformers can build: the build says
+        return
+    resolve_targets(llm, lora_config, which)
+
+
+def _has_experts(config: Any) -> bool:
+    text = config.get_text_config()
+    return any(getattr(text, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _llm_config(cfg: Any) -> Any:

@@ -62,6 +62,21 @@ def apply_lora(llm: torch.nn.Module, lora_config: Any, use_activation_checkpoint
     its own targets, each of which must match)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    resolve_targets(llm, lora_config, lora_targets)
+    if is_quantized(llm) and moe.is_moe(llm):
+        freeze_upcasting_all_but_experts(llm)
+    elif is_quantized(llm):
+        llm = prepare_model_for_kbit_training(
+            llm, use_gradient_checkpointing=use_activation_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    with compat.peft_targets_as_given():
+        return get_peft_model(llm, lora_config)
+
+
+def resolve_targets(llm: torch.nn.Module, lora_config: Any, lora_targets: str = "all") -> None:
+    """Set ``lora_config``'s targets to ``lora_targets``' choice when it names none, else check each it
+    names; one line for a target that matches nothing, and for dropout on fused experts. Needs only the
+    model's module tree (``engine.checks`` runs it on a meta-device copy before anything is built)."""
     if lora_config.target_modules is None and not lora_config.target_parameters:
         lora_config.target_modules, lora_config.target_parameters = chosen_targets(llm, lora_targets)
     else:
@@ -72,14 +87,6 @@ def apply_lora(llm: torch.nn.Module, lora_config: Any, use_activation_checkpoint
         raise ConfigBuildError(f"model.lora.lora_dropout={lora_config.lora_dropout}: LoRA on fused expert weights "
                                f"({', '.join(sorted(lora_config.target_parameters))}) runs without dropout in peft; "
                                "set model.lora.lora_dropout=0 (or model.lora_targets='attention')")
-    if is_quantized(llm) and moe.is_moe(llm):
-        freeze_upcasting_all_but_experts(llm)
-    elif is_quantized(llm):
-        llm = prepare_model_for_kbit_training(
-            llm, use_gradient_checkpointing=use_activation_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    with compat.peft_targets_as_given():
-        return get_peft_model(llm, lora_config)
 
 
 def freeze_upcasting_all_but_experts(llm: torch.nn.Module) -> None:

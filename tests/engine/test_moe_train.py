@@ -46,14 +46,14 @@ def problems(cfg_path, world_size=1):
 def test_router_aux_loss_coef_on_a_model_without_the_loss_is_one_line_before_building(
         model, tmp_path, tiny_qwen2_dir, tiny_moe_dir, tiny_sft_jsonl):
     model_dir = tiny_qwen2_dir if model == "dense" else tiny_moe_dir(model)
-    found = problems(moe_config(tmp_path, model_dir, tiny_sft_jsonl, extra="router_aux_loss_coef = 0.01\n"))
+    found = problems(moe_config(tmp_path, model_dir, tiny_sft_jsonl, dropout=0.0, extra="router_aux_loss_coef = 0.01\n"))
     kind = "Qwen2Config" if model == "dense" else "DeepseekV3Config"
     assert found == [f"router_aux_loss_coef=0.01: the model ({kind}) has no router load-balancing loss (a dense "
                      "model, or an MoE balanced otherwise); remove the setting"]
 
 
 def test_router_aux_loss_coef_is_checked_as_a_number(tmp_path, tiny_moe_dir, tiny_sft_jsonl):
-    cfg = moe_config(tmp_path, tiny_moe_dir("mixtral"), tiny_sft_jsonl)
+    cfg = moe_config(tmp_path, tiny_moe_dir("mixtral"), tiny_sft_jsonl, dropout=0.0)
     assert problems(cfg) == []
     cfg.write_text(cfg.read_text() + "router_aux_loss_coef = -1\n")
     assert problems(cfg) == ["router_aux_loss_coef must be a number >= 0 (0: leave the loss out), got -1"]
@@ -125,3 +125,19 @@ def test_part1_coefficient_reaches_the_model_config():
     assert changed == dict(model, router_aux_loss_coef=0.05) and "router_aux_loss_coef" not in model
     assert model_cfg_in(model, "bfloat16", 0.0) == dict(type="SupervisedFinetune", llm=dict(dtype="bfloat16"),
                                                         router_aux_loss_coef=0.0)
+
+
+def test_a_lora_target_matching_nothing_is_one_line_before_anything_is_built(tmp_path, tiny_moe_dir, tiny_sft_jsonl):
+    cfg = moe_config(tmp_path, tiny_moe_dir("qwen3_moe"), tiny_sft_jsonl, dropout=0.0)
+    assert problems(cfg) == []
+    cfg.write_text(cfg.read_text().replace("lora_dropout=0.0,", "lora_dropout=0.0, target_parameters=['experts.up_proj'],"))
+    [found] = problems(cfg)
+    assert found.startswith("model.lora.target_parameters: 'experts.up_proj' matches no parameter of "
+                            "Qwen3MoeForCausalLM; closest names: experts.gate_up_proj, experts.down_proj")
+
+
+def test_lora_dropout_on_fused_experts_is_one_line_before_anything_is_built(tmp_path, tiny_moe_dir, tiny_sft_jsonl):
+    found = problems(moe_config(tmp_path, tiny_moe_dir("mixtral"), tiny_sft_jsonl, dropout=0.1))
+    assert found == ["model.lora.lora_dropout=0.1: LoRA on fused expert weights (experts.down_proj, "
+                     "experts.gate_up_proj) runs without dropout in peft; set model.lora.lora_dropout=0 (or "
+                     "model.lora_targets='attention')"]
