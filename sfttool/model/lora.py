@@ -3,8 +3,8 @@
 ``target_modules=None`` (and no ``target_parameters``) means the targets ``lora_targets`` names:
 ``'all'`` (default), every linear layer except the LM head and the routers, plus a mixture-of-experts
 model's fused 3-D expert weights (through peft's ``target_parameters``); ``'attention'``, the linear
-layers of the attention blocks; ``'experts'``, what lies in the MoE blocks besides the router (fused
-experts, shared experts). bnb's ``Linear4bit``/``Linear8bitLt`` subclass ``nn.Linear``, so QLoRA is
+layers of the attention blocks; ``'experts'``, what lies in the MoE blocks besides the router and gates
+(fused experts, shared experts). bnb's ``Linear4bit``/``Linear8bitLt`` subclass ``nn.Linear``, so QLoRA is
 covered. Targets the config names must each match a module (or parameter) of the model.
 
 A quantized model first goes through ``prepare_model_for_kbit_training`` (frozen base, norms and head
@@ -125,9 +125,11 @@ def chosen_targets(llm: torch.nn.Module, which: str) -> tuple[list[str], list[st
     attention = tuple(name + "." for name in attention_modules(llm))
     wanted = {"all": lambda n: True, "attention": lambda n: n.startswith(attention),
               "experts": lambda n: n.startswith(blocks)}[which]
+    # A one-output linear layer in an MoE block is a gate (Qwen2-MoE's shared_expert_gate), routing, not a projection.
     modules = sorted({_suffix(name) for name, module in llm.named_modules()
-                      if isinstance(module, torch.nn.Linear) and module is not head
-                      and not name.startswith(router_names) and wanted(name)})
+                      if isinstance(module, torch.nn.Linear) and module is not head and wanted(name)
+                      and not name.startswith(router_names)
+                      and not (name.startswith(blocks) and module.out_features == 1)})
     parameters = moe.fused_expert_parameters(llm) if which != "attention" else []
     return modules, (parameters or None)
 

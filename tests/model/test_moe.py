@@ -238,3 +238,44 @@ def test_activation_checkpointing_gives_the_same_gradients_aux_loss_included(tin
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
     assert grads[0]["llm.model.layers.0.mlp.gate.weight"].abs().max() > 0
+
+
+def inline_moe(kind: str):
+    """Tiny random Qwen2-MoE (a shared expert behind a one-output gate) or GLM-4-MoE (shared experts,
+    a dense first layer, no aux loss), float32."""
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    if kind == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, num_experts=4, shared_expert_intermediate_size=64)
+    else:
+        config = Glm4MoeConfig(**common, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                               topk_group=1, head_dim=16)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "glm4_moe"])
+def test_other_shared_expert_families_keep_routers_and_gates_out_of_lora(kind):
+    from sfttool.model.lora import chosen_targets
+
+    llm = inline_moe(kind)
+    modules, parameters = chosen_targets(llm, "all")
+    assert parameters == ["experts.down_proj", "experts.gate_up_proj"]
+    shared = "shared_expert" if kind == "qwen2_moe" else "shared_experts"
+    assert {f"{shared}.gate_proj", f"{shared}.up_proj", f"{shared}.down_proj", "self_attn.q_proj"} <= set(modules)
+    assert not any("gate" in m and not m.endswith("gate_proj") for m in modules)  # no router, no shared_expert_gate
+    assert (moe.aux_loss_function(llm) is not None) == (kind == "qwen2_moe")
+
+
+def test_qwen2_moe_aux_loss_equals_the_models_own():
+    from sfttool.model import SupervisedFinetune
+
+    model = SupervisedFinetune(llm=inline_moe("qwen2_moe"), use_activation_checkpointing=False)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    out = model({"input_ids": ids, "labels": labels}, mode="loss")
+    reference = model.llm(input_ids=ids, labels=labels, output_router_logits=True, use_cache=False)
+    torch.testing.assert_close(out["loss"], reference.loss, rtol=1e-5, atol=1e-6)
