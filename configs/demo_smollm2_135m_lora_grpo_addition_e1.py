@@ -3,7 +3,7 @@ task it sometimes solves: 81 single-digit additions ("What is 3 + 7?"), the rewa
 completion's final number is the sum (`accuracy`). Each generation round samples 4 completions
 of each of 2 questions and makes one optimizer step; 40 rounds = 1 epoch.
 
-At a glance: LoRA GRPO | 135M | 81 bundled additions | CPU, ~2 GB RAM
+At a glance: LoRA GRPO | 135M | 81 bundled additions | CPU, ~2.5 GB RAM
 
 Measured (2026-12-03): the mean reward rises from 0.41 over steps 1-10 to 0.73 over steps
 31-40, the same in each of three runs (sampling is seeded), while the completions shorten from

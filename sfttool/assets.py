@@ -293,3 +293,56 @@ def builtin_data_file(name: str) -> str:
         shipped = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else []
         raise FileNotFoundError(f"{name}: no such built-in data file in {path.parent} (shipped: {shipped})")
     return str(path)
+
+
+VLM_ARCHS = ("qwen2_5_vl", "gemma3", "llava")
+
+
+def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, arch: str = "qwen2_5_vl",
+                   seed: int = 0) -> Path:
+    """Save a random-initialised tiny vision-language checkpoint (an image-text-to-text class, loaded by
+    ``AutoModelForImageTextToText``) with the tokenizer beside it: ``qwen2_5_vl`` (multimodal rotary
+    positions), ``gemma3`` or ``llava`` (a Llama language model and a CLIP vision tower). Its vocabulary is
+    the tokenizer's plus the image tokens at the end."""
+    import torch
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig,
+                              LlavaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    n = len(tokenizer)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=tokenizer.bos_token_id)
+    text = dict(vocab_size=n + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, **ids)
+    if arch == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config=dict(text, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
+                               window_size=56),
+            image_token_id=n, video_token_id=n + 1, vision_start_token_id=n + 2, vision_end_token_id=n + 3,
+            tie_word_embeddings=False, **ids)
+        cls = Qwen2_5_VLForConditionalGeneration
+    elif arch == "gemma3":
+        config = Gemma3Config(
+            text_config=dict(text, head_dim=16, sliding_window=16),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=n, boi_token_index=n + 1, eoi_token_index=n + 2, **ids)
+        cls = Gemma3ForConditionalGeneration
+    elif arch == "llava":
+        config = LlavaConfig(
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                               projection_dim=32),
+            image_token_index=n, tie_word_embeddings=False)
+        cls = LlavaForConditionalGeneration
+    else:
+        raise ValueError(f"arch must be one of {', '.join(VLM_ARCHS)}, got {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(config)
+    save_dir = Path(save_dir)
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir

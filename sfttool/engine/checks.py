@@ -47,6 +47,7 @@ from sfttool.engine.tracking import check_trackers
 from sfttool.errors import SfttoolError
 from sfttool.model import moe
 from sfttool.model.sft import SupervisedFinetune
+from sfttool.model.vision import base_model, is_vision_language
 from sfttool.parallel.groups import SequenceParallelError, check_world_size
 from sfttool.parallel.sampler import shares_rows_by_group
 from sfttool.registry import ConfigBuildError, resolve_type, type_name
@@ -270,13 +271,18 @@ def checkpoint_interval_warning(cfg: Any) -> str | None:
 
 
 def check_built_model(model: Any, size: int) -> None:
-    """What needs the built model: under sequence parallelism it is not a mixture-of-experts model, and
-    its attention heads (and key/value heads) divide among the ranks of a group."""
+    """What needs the built model: under sequence parallelism it is neither a mixture-of-experts model nor a
+    vision-language checkpoint, and its attention heads (and key/value heads) divide among the ranks of a
+    group."""
     if size == 1:
         return
     if moe.is_moe(model.llm):
         raise SequenceParallelError(f"sequence_parallel_size={size}: mixture-of-experts models do not train with "
                                     "sequence parallelism yet; set sequence_parallel_size = 1")
+    if is_vision_language(model.llm):
+        raise SequenceParallelError(f"sequence_parallel_size={size}: sequence parallelism is not available for "
+                                    f"vision-language checkpoints ({type(base_model(model.llm)).__name__}) yet; "
+                                    "set sequence_parallel_size = 1")
     config = model.llm.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

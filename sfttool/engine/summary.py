@@ -137,9 +137,14 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
                f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
                f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
-            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)} "
-            f"{data}. {steps}. "
-            f"{outputs}.{auto_tracking_note(cfg)}")
+            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)}{frozen_note(model)} "
+            f"{data}. {steps}. {outputs}.{auto_tracking_note(cfg)}")
+
+
+def frozen_note(model: Any) -> str:
+    """A vision-language checkpoint's sentence on what text rows leave untrained; '' for a text model."""
+    frozen = getattr(model, "frozen_vision_parameters", 0)
+    return f" The vision tower and projector ({_millions(frozen)}) are frozen." if frozen else ""
 
 
 def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> None:

@@ -11,6 +11,7 @@ A quantized model first goes through ``prepare_model_for_kbit_training`` (frozen
 in float32); a plain model does not, because that function would also upcast every bf16 weight to
 float32. A quantized MoE model gets the same minus that upcast of its fused experts (bitsandbytes
 quantizes Linear layers only, so the experts stay in the load dtype and an upcast would double them).
+In a vision-language model the targets are those of its language model (``sfttool.model.vision``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from sfttool import compat
 from sfttool.model import moe
+from sfttool.model.vision import is_vision_language, language_model_prefix, language_model_targets
 from sfttool.registry import ConfigBuildError, build_if_config
 
 LORA_TARGETS = ("all", "attention", "experts")
@@ -118,20 +120,21 @@ def chosen_targets(llm: torch.nn.Module, which: str) -> tuple[list[str], list[st
             raise ConfigBuildError(f"model.lora_targets='experts': {type(llm).__name__} has no experts (it is "
                                    "not a mixture-of-experts model); use 'all' or 'attention'")
         if which == "all":
-            return find_linear_names(llm), None
+            return default_targets(llm), None
     head = llm.get_output_embeddings() if hasattr(llm, "get_output_embeddings") else None
     router_names = tuple(name + "." for name, _ in moe.routers(llm))
     blocks = tuple(name + "." for name in moe.moe_blocks(llm))
     attention = tuple(name + "." for name in attention_modules(llm))
+    prefix = language_model_prefix(llm)  # a vision-language model: its language model only
     wanted = {"all": lambda n: True, "attention": lambda n: n.startswith(attention),
               "experts": lambda n: n.startswith(blocks)}[which]
     # A one-output linear layer in an MoE block is a gate (Qwen2-MoE's shared_expert_gate), routing, not a projection.
     modules = sorted({_suffix(name) for name, module in llm.named_modules()
                       if isinstance(module, torch.nn.Linear) and module is not head and wanted(name)
-                      and not name.startswith(router_names)
+                      and (prefix is None or name.startswith(prefix + ".")) and not name.startswith(router_names)
                       and not (name.startswith(blocks) and module.out_features == 1)})
     parameters = moe.fused_expert_parameters(llm) if which != "attention" else []
-    return modules, (parameters or None)
+    return language_model_targets(llm, modules), (parameters or None)
 
 
 def attention_modules(llm: torch.nn.Module) -> list[str]:
@@ -179,10 +182,21 @@ def target_summary(peft_llm: Any) -> str:
     ``'self_attn.q_proj, ... and the parameters experts.down_proj, experts.gate_up_proj'``."""
     config = peft_llm.peft_config[peft_llm.active_adapter]
     modules = config.target_modules
-    text = ", ".join(sorted(modules)) if isinstance(modules, (set, list, tuple)) else repr(modules or "")
+    if isinstance(modules, str):  # a pattern (a vision-language model's language model)
+        text = f"the modules matching {modules!r}"
+    else:
+        text = ", ".join(sorted(modules or ()))
     if config.target_parameters:
         text += (" and " if text else "") + "the parameters " + ", ".join(sorted(config.target_parameters))
     return text
+
+
+def default_targets(llm: torch.nn.Module) -> str | list[str]:
+    """Every linear layer of the language model but its head (a vision-language model's vision tower
+    and projector are left out: ``sfttool.model.vision``)."""
+    if not is_vision_language(llm):
+        return find_linear_names(llm)
+    return language_model_targets(llm, find_linear_names(llm.get_decoder()))
 
 
 def load_adapter_folder(peft_llm: torch.nn.Module, path: str | os.PathLike) -> None:

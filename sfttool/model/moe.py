@@ -19,12 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from sfttool.model.vision import base_model
 from sfttool.registry import ConfigBuildError
-
-
-def base_model(llm: Any) -> Any:
-    """The HF model inside a peft wrapper (or ``llm`` itself)."""
-    return llm.get_base_model() if hasattr(llm, "get_base_model") else llm
 
 
 def router_class(llm: Any) -> type | None:

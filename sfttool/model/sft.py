@@ -32,6 +32,7 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
+from sfttool.model.vision import freeze_vision, is_vision_language, packed_position_ids, uses_multimodal_rope
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -67,6 +68,8 @@ class SupervisedFinetune(BaseModel):
         router_aux_loss_coef: the weight of the router's load-balancing loss in the training loss
             (mixture-of-experts models that define one); None: the model's own
             ``config.router_aux_loss_coef``; 0: left out. See docs/moe.md.
+        freeze_vision_tower: a vision-language checkpoint's vision tower and projector stay frozen
+            (``sfttool.model.vision``); False trains them too (full fine-tuning only).
     """
 
     # sfttool.registry.build hands `llm` over as a config: build_llm fixes
@@ -76,7 +79,7 @@ class SupervisedFinetune(BaseModel):
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
                  loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
-                 lora_targets="all", router_aux_loss_coef=None, data_preprocessor=None):
+                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
         check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
@@ -90,6 +93,11 @@ class SupervisedFinetune(BaseModel):
         compat.disable_bnb_cpu_weight_repacking(llm)
         self.lora = build_lora_config(lora) if lora is not None else None
         self.use_lora = self.lora is not None
+        if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
+            raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
+                                   "train the vision tower with full fine-tuning (lora=None) or keep it frozen")
+        self.frozen_vision_parameters = freeze_vision(llm, freeze_vision_tower)
+        self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
         self.llm = llm
         self.router_aux_loss_coef = moe.aux_loss_coefficient(llm, router_aux_loss_coef)
         # Flash-attention derives varlen boundaries from position_ids only for a
@@ -191,6 +199,8 @@ class SupervisedFinetune(BaseModel):
         if split is not None:
             input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
             kwargs["sequence_parallel"] = split
+        elif self.multimodal_rope:
+            position_ids = packed_position_ids(position_ids)
         return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
 
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from sfttool.config import load_config
 from sfttool.dataset.encode import encode_prompt
 from sfttool.errors import SfttoolError
 from sfttool.model.hf_folder import SAVED_CONFIG_NAME
+from sfttool.model.vision import language_model_class
 from sfttool.tools.merge import (adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
                                  training_output_problem)
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
@@ -85,12 +86,13 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
 
     compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     device_map = {"": 0} if torch.cuda.is_available() else None
     # trust_remote_code: a repository's own Python code runs only when the user asked (--trust-remote-code).
     with load_errors(model_path, ChatError):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", device_map=device_map,
+        model_class = language_model_class(model_path, trust_remote_code=trust_remote_code)
+        model = model_class.from_pretrained(model_path, dtype="auto", device_map=device_map,
                                                      quantization_config=quantization_config(bits),
                                                      trust_remote_code=trust_remote_code)
     saved = adapter_tokenizer(adapter, trust_remote_code=trust_remote_code) if adapter is not None else None

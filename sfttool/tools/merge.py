@@ -25,6 +25,7 @@ from sfttool.errors import SfttoolError
 from sfttool.model.build import resize_embeddings
 from sfttool.model.hf_folder import SAVED_CONFIG_NAME, output_folder, save_model
 from sfttool.model.reward import adapter_model_class
+from sfttool.model.vision import language_model_class
 from sfttool.utils.checkpoint_file import find_latest_checkpoint, run_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -166,9 +167,12 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
     _check_base(base)
     compat.quiet_bnb_cpu_kernel_warning()  # peft imports bitsandbytes, whose CPU kernel warning is noise here
     from peft import PeftModel  # after the line above: it imports bitsandbytes
+    from transformers import AutoModelForCausalLM
 
     model_class, extra = adapter_model_class(adapter)  # a reward model's adapter needs its classifier
     with load_errors(base, MergeError):
+        if model_class is AutoModelForCausalLM:
+            model_class = language_model_class(base)  # a vision-language checkpoint keeps its vision tower
         model = model_class.from_pretrained(base, dtype=dtype, device_map=device_map_for(device), **extra)
     fit_embeddings_to_adapter(model, tokenizer or adapter_tokenizer(adapter))
     with _targets_as_saved(adapter):

@@ -167,11 +167,12 @@ def test_a_round_must_be_whole_micro_batches_and_optimizer_steps(args, message):
 
 def test_the_config_check_names_the_setting_before_anything_is_built(grpo_config):
     from sfttool.config import ConfigError, load_config
-    from sfttool.engine.preflight import check_config
+    from sfttool.engine import checks
+    from sfttool.engine.spec import TrainOptions
     cfg = load_config(str(grpo_config(batch_size=3)))
     with pytest.raises(ConfigError, match="train_cfg.micro_batch_size=3: a generation round of 2 prompts x 4 "
                                           "completions = 8 completions per process"):
-        check_config(cfg)
+        checks.report(checks.run_checks(cfg, TrainOptions(dry_run=True), world_size=1))
 
 
 @pytest.mark.slow

@@ -217,7 +217,7 @@ def test_a_work_dir_with_an_earlier_runs_checkpoints_is_refused_and_left_alone(t
 
 
 def test_a_work_dir_without_complete_checkpoints_can_be_trained_into(tmp_path):
-    from sfttool.engine.checkpoint import find_latest_checkpoint
+    from sfttool.utils.checkpoint_file import find_latest_checkpoint
     from sfttool.engine.preflight import check_work_dir
     from sfttool.engine.safety import WorkDirError
 

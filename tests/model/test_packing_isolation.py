@@ -83,7 +83,8 @@ def test_padded_packed_batch_equals_samples_run_separately(model_dirs, make_sft,
 
 def test_collate_fn_batch_is_isolated_too(tiny_llama_dir, make_sft, rows):
     """The same property through the data pipeline's real collate function."""
-    collate_fns = pytest.importorskip("sfttool.dataset.collate_fns")
+    from sfttool.dataset import collate_fns  # sfttool's own module: a broken import must fail, not skip
+
     model = make_sft(tiny_llama_dir)
     samples = rows.make_samples(4, seed=13)
     want_logits, want_loss, _ = separate_reference(model, rows, samples)

@@ -1,0 +1,109 @@
+"""Vision-language checkpoints (image-text-to-text classes) trained on text rows: a packed row equals its
+samples run one by one through the checkpoint's own forward (loss, and gradients against sfttool's own
+unpacked path), the vision tower and projector are frozen and out of LoRA, and what cannot be asked for is
+refused in one line. On tiny random Qwen2.5-VL (multimodal rotary positions), Gemma 3 and LLaVA models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfttool import assets
+from sfttool.model.vision import language_model_class, vision_parameters
+from sfttool.registry import ConfigBuildError
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="session")
+def vlm_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    return {arch: assets.build_tiny_vlm(tmp_path_factory.mktemp(f"tiny_{arch}"), tiny_tokenizer_dir, arch)
+            for arch in assets.VLM_ARCHS}
+
+
+def make_vlm(model_dir, **kwargs):
+    from transformers import AutoModelForImageTextToText
+
+    from sfttool.model import SupervisedFinetune
+    torch.manual_seed(0)
+    llm = dict(type=AutoModelForImageTextToText.from_pretrained, pretrained_model_name_or_path=str(model_dir),
+               dtype="float32", attn_implementation="sdpa")
+    return SupervisedFinetune(llm=llm, use_activation_checkpointing=False, **kwargs)
+
+
+def own_loss(model, rows, samples) -> torch.Tensor:
+    """The checkpoint's own forward (its positions, its loss) on each sample alone, token-weighted."""
+    total, count = 0.0, 0
+    for s in samples:
+        data = rows.collate([rows.as_row(s)])
+        labels = data["labels"]
+        units = int((labels[:, 1:] != -100).sum())
+        with torch.no_grad():
+            total += model.llm(input_ids=data["input_ids"], labels=labels).loss * units
+        count += units
+    return total / count
+
+
+@pytest.mark.parametrize("arch", assets.VLM_ARCHS)
+def test_a_packed_row_trains_like_its_samples_through_the_checkpoints_own_forward(vlm_dirs, rows, arch):
+    model = make_vlm(vlm_dirs[arch])
+    samples = rows.make_samples(3, seed=21)
+    want = own_loss(model, rows, samples)
+
+    model.zero_grad()
+    separate, count = 0.0, 0
+    for s in samples:  # sfttool's path, one sample at a time: the gradients to compare with
+        data = rows.collate([rows.as_row(s)])
+        units = model.count_loss_units(data)
+        separate = separate + model(data, mode="loss")["loss"] * units
+        count += units
+    (separate / count).backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    loss = model(rows.collate([rows.pack(samples)]), mode="loss")["loss"]
+    loss.backward()
+    assert torch.allclose(loss.detach(), want, atol=ATOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want_grads.keys() and grads
+    assert all(torch.allclose(grads[n], want_grads[n], atol=ATOL) for n in grads)
+    assert not any(p.requires_grad for p in vision_parameters(model.llm).values())  # frozen, so no gradient
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_lora_targets_the_language_model_only(vlm_dirs, arch):
+    model = make_vlm(vlm_dirs[arch], lora=dict(r=4, lora_alpha=8, lora_dropout=0.0))
+    from transformers import AutoModelForImageTextToText
+    adapted = {name.split(".lora_A")[0] for name, _ in model.llm.named_parameters() if ".lora_A." in name}
+    plain = AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch]).get_decoder()
+    in_decoder = {name for name, module in plain.named_modules() if isinstance(module, torch.nn.Linear)}
+    # every linear layer of the language model is adapted, and nothing else (the vision tower shares names)
+    assert len(adapted) == len(in_decoder) > 0
+    assert all(".language_model." in name for name in adapted)
+    assert model.frozen_vision_parameters == sum(p.numel() for p in vision_parameters(model.llm).values()) > 0
+
+
+def test_training_the_vision_tower_of_a_text_model_or_with_lora_is_refused(vlm_dirs, tiny_qwen2_dir, make_sft):
+    with pytest.raises(ConfigBuildError, match="model.freeze_vision_tower=False: Qwen2ForCausalLM has no vision "
+                                               "tower to train; remove the setting"):
+        make_sft(tiny_qwen2_dir, freeze_vision_tower=False)
+    with pytest.raises(ConfigBuildError, match="LoRA here trains the language model only"):
+        make_vlm(vlm_dirs["llava"], lora=dict(r=4), freeze_vision_tower=False)
+    full = make_vlm(vlm_dirs["llava"], freeze_vision_tower=False)  # full fine-tuning may train it
+    assert full.frozen_vision_parameters == 0 and all(p.requires_grad for p in vision_parameters(full.llm).values())
+
+
+def test_the_auto_class_follows_the_checkpoint(vlm_dirs, tiny_qwen2_dir, tmp_path):
+    """What `sfttool chat` and `convert merge` load a folder with; an adapter folder by its base model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    assert language_model_class(tiny_qwen2_dir) is AutoModelForCausalLM
+    assert {language_model_class(d) for d in vlm_dirs.values()} == {AutoModelForImageTextToText}
+    make_vlm(vlm_dirs["llava"], lora=dict(r=4)).llm.save_pretrained(tmp_path / "adapter")
+    assert language_model_class(tmp_path / "adapter") is AutoModelForImageTextToText
+
+
+def test_sequence_parallelism_is_refused_for_a_vision_language_checkpoint(vlm_dirs):
+    from sfttool.engine.checks import check_built_model
+    from sfttool.parallel.groups import SequenceParallelError
+    with pytest.raises(SequenceParallelError, match="sequence_parallel_size=2: sequence parallelism is not available "
+                                                    "for vision-language checkpoints \\(Gemma3ForConditionalGeneration"):
+        check_built_model(make_vlm(vlm_dirs["gemma3"]), 2)
