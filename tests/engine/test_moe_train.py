@@ -36,6 +36,16 @@ def test_train_logs_the_aux_loss_and_names_the_lora_targets(tmp_path, tiny_moe_d
            "experts.down_proj, experts.gate_up_proj." in summary
     adapter = load_file(work / "hf_adapter" / "adapter_model.safetensors")
     assert any(".experts.lora_A" in k for k in adapter) and not any(".gate." in k for k in adapter)
+    # `sfttool convert pth_to_hf` of the last checkpoint gives the adapter the run exported
+    from click.testing import CliRunner
+
+    from sfttool.cli.main import cli
+
+    last = sorted(work.glob("iter_*.pth"), key=lambda p: int(p.stem.split("_")[1]))[-1]
+    result = CliRunner().invoke(cli, ["convert", "pth_to_hf", str(cfg), str(last), str(tmp_path / "converted")])
+    assert result.exit_code == 0, result.output
+    converted = load_file(tmp_path / "converted" / "adapter_model.safetensors")
+    assert converted.keys() == adapter.keys() and all(torch.equal(converted[k], adapter[k]) for k in adapter)
 
 
 def problems(cfg_path, world_size=1):
