@@ -136,6 +136,8 @@ def _tiny_config(arch: str, common: dict):
         common = dict(common, intermediate_size=hidden // 2)  # Mixtral's experts use intermediate_size
         return MixtralConfig(**common, **moe, num_local_experts=4)
     if arch == "deepseek_v3":  # a dense first layer, then routed + shared experts; sigmoid router, no aux loss
+        # Multi-head latent attention: every head has its own key and value (as in the real model's config).
+        common = dict(common, num_key_value_heads=common["num_attention_heads"])
         return DeepseekV3Config(**common, **moe, n_routed_experts=4, n_shared_experts=1,
                                 moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1,
                                 q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,

@@ -151,3 +151,29 @@ def test_lora_dropout_on_fused_experts_is_one_line_before_anything_is_built(tmp_
     assert found == ["model.lora.lora_dropout=0.1: LoRA on fused expert weights (experts.down_proj, "
                      "experts.gate_up_proj) runs without dropout in peft; set model.lora.lora_dropout=0 (or "
                      "model.lora_targets='attention')"]
+
+
+@pytest.mark.parametrize("arch, method", [("mixtral", "qlora"), ("deepseek_v3", "full")])
+def test_qlora_and_full_runs_train_and_export(arch, method, tmp_path, tiny_moe_dir, tiny_sft_jsonl):
+    """QLoRA (4-bit attention, experts in the load dtype) on Mixtral and full fine-tuning on DeepSeek-V3
+    (shared experts, no aux loss) through `sfttool train`: the loss falls, the export loads."""
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from sfttool.engine.train import train
+
+    cfg = moe_config(tmp_path, tiny_moe_dir(arch), tiny_sft_jsonl, max_epochs=0.5, dropout=0.0, lr=5e-3,
+                     lora=method != "full", qlora=method == "qlora", accumulative_counts=1)
+    work = train(str(cfg), work_dir=str(tmp_path / "work"))
+    losses, aux = logged(work), logged(work, "aux_loss")
+    assert len(losses) >= 8 and sum(losses[-3:]) < sum(losses[:3])
+    assert (len(aux) == len(losses)) == (arch == "mixtral") and (aux == []) == (arch == "deepseek_v3")
+    if method == "full":
+        exported = AutoModelForCausalLM.from_pretrained(work / "hf_model")
+        assert type(exported).__name__ == "DeepseekV3ForCausalLM"
+        assert exported(input_ids=torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+    else:
+        adapter = load_file(work / "hf_adapter" / "adapter_model.safetensors")
+        assert any(".experts.lora_B" in k for k in adapter) and all(v.abs().sum() > 0 for k, v in adapter.items()
+                                                                     if "lora_B" in k)
