@@ -139,3 +139,15 @@ def test_rollout_benchmark(tmp_path):
     assert 0 < report["generation_share"] < 1
     (repeat,) = report["repeats"]
     assert 4 <= repeat["sfttool_tokens"] <= repeat["sfttool_steps"] <= 4 * 8
+
+
+@pytest.mark.slow
+def test_mix_sources_benchmark(tmp_path):
+    out = tmp_path / "mix_sources.json"
+    run([sys.executable, str(BENCH / "mix_sources.py"), "--samples", "200", "--max-length", "512",
+         "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["baseline"]["samples"] == 400 and report["baseline"]["pack_s"] > 0
+    assert [m["strategy"] for m in report["mixes"]] == ["concat", "interleave", "interleave"]
+    assert report["mixes"][0]["samples"] == 500  # 200 x 1 + 200 x 1.5
+    assert all(0 < m["packing_efficiency"] <= 1 and m["rows"] > 0 for m in report["mixes"])

@@ -30,11 +30,12 @@ def read_rows(path: Path) -> list[dict]:
 
 def test_every_example_config_is_found_and_valid(monkeypatch):
     monkeypatch.chdir(REPO)
-    assert [p.parent.name for p in EXAMPLE_CONFIGS] == ["custom_dataset", "custom_map_fn"]
+    assert [p.parent.name for p in EXAMPLE_CONFIGS] == ["custom_dataset", "custom_map_fn", "two_sources"]
     for path in EXAMPLE_CONFIGS:
         cfg = load_config(path)
         assert validate_config(cfg, str(path)) == []
-        assert Path(cfg.data_files).is_file(), f"{path}: data_files must exist relative to the repository root"
+        files = [s["data_path"] for s in cfg.data_sources] if "data_sources" in cfg else [cfg.data_files]
+        assert all(Path(f).is_file() for f in files), f"{path}: data files must exist relative to the repository root"
 
 
 def test_demo_data_is_shipped_with_the_configs_and_linked_from_examples():
@@ -129,7 +130,7 @@ def copy_with_tiny_model(example: Path, model_dir: Path, dest: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["custom_dataset", "custom_map_fn"])
+@pytest.mark.parametrize("name", ["custom_dataset", "custom_map_fn", "two_sources"])
 def test_example_trains(name, tiny_qwen2_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
@@ -190,7 +191,7 @@ def test_demo_dataset_with_the_real_tokenizer(smollm2_dir):
     assert len(held_out) == 2 and sum(len(row["sample_lengths"]) for row in held_out) == 8
 
 
-@pytest.mark.parametrize("name", ["custom_dataset", "custom_map_fn"])
+@pytest.mark.parametrize("name", ["custom_dataset", "custom_map_fn", "two_sources"])
 def test_check_custom_dataset_passes_on_each_example(name, tiny_qwen2_dir, tmp_path, monkeypatch):
     """The READMEs' first command: `sfttool check-custom-dataset examples/<name>/config.py`."""
     from click.testing import CliRunner
@@ -202,3 +203,23 @@ def test_check_custom_dataset_passes_on_each_example(name, tiny_qwen2_dir, tmp_p
     result = CliRunner().invoke(cli, ["check-custom-dataset", str(config)])
     assert result.exit_code == 0, result.output
     assert "OK: 0 errors" in result.output
+
+
+def test_two_sources_example_mixes_both_sources(tiny_tokenizer, monkeypatch):
+    """examples/two_sources: the identity source filtered to its 78 one-turn rows, the 12 support rows used
+    three times in order, interleaved 75/25 until the identity rows run out, as datasets interleaves them."""
+    from datasets import Dataset, interleave_datasets
+
+    from sfttool.dataset.data_sources import run_sources
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config(EXAMPLES / "two_sources" / "config.py")
+    node = cfg.train_dataset
+    _, report = run_sources(cfg.data_sources, tiny_tokenizer, 512, node.template_map_fn, cfg.mix_strategy,
+                            cfg.mix_probabilities, cfg.stopping_strategy, seed=cfg.seed)
+    identity, support = report.sources
+    assert (identity.read, identity.kept, support.read, support.sliced, support.kept) == (82, 78, 12, 36, 36)
+    assert identity.report.dropped == {"filter_fn one_turn returned False": 4}
+    reference = interleave_datasets([Dataset.from_dict({"s": [0] * 78}), Dataset.from_dict({"s": [1] * 36})],
+                                    probabilities=[0.75, 0.25], seed=0, stopping_strategy="first_exhausted")
+    assert (identity.used, support.used) == (reference["s"].count(0), reference["s"].count(1))

@@ -107,7 +107,7 @@ def cached_pipeline(cache_dir: str | os.PathLike, args: dict, run_pipeline: Call
 
 
 def _report_json(report, cls) -> str:
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages", "emptied")}
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(cls) if f.name not in ("stages", "emptied", "sources")}
     fields["pack"] = dataclasses.asdict(report.pack) if report.pack is not None else None
     fields["sample_lengths"] = len(fields["sample_lengths"])  # the count is enough
     return json.dumps(fields, indent=1)

@@ -174,11 +174,15 @@ def _sample_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
 
 
 def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd", shuffle: bool = True,
-               seed: int = 0) -> tuple[pa.Table, PackStats]:
-    """Pack a table with ``input_ids``/``labels`` list columns; return (rows, stats)."""
+               seed: int = 0, samples: np.ndarray | None = None) -> tuple[pa.Table, PackStats]:
+    """Pack a table with ``input_ids``/``labels`` list columns; return (rows, stats). ``samples``: the
+    samples to pack, as row indices of ``table`` (a mix of several sources' tables picks and repeats
+    rows), taken with the packing's own take instead of a copy of its own; default: every row once."""
     if strategy not in STRATEGIES:
         raise ValueError(f"pack_strategy must be one of {STRATEGIES}, got {strategy!r}")
     lengths = _lengths(table)
+    samples = np.arange(len(lengths)) if samples is None else np.asarray(samples, dtype=np.int64)
+    lengths = lengths[samples]
     base = _sample_order(len(lengths), shuffle, seed)
     if strategy == "bfd":
         bins = best_fit_decreasing(lengths[base], max_length)
@@ -189,14 +193,16 @@ def pack_table(table: pa.Table, max_length: int, strategy: str = "bfd", shuffle:
     else:
         order = base
         piece_lengths, counts, split = _concat_cuts(lengths[order], max_length)
-    packed = assemble(table, order, piece_lengths, counts)
+    packed = assemble(table, samples[order], piece_lengths, counts)
     return packed, _stats(packed, len(lengths), max_length, split)
 
 
-def unpacked_table(table: pa.Table) -> pa.Table:
-    """One sample per row, in order, with position_ids and sample_lengths added."""
+def unpacked_table(table: pa.Table, samples: np.ndarray | None = None) -> pa.Table:
+    """One sample per row, in order (``samples``: row indices of ``table``, as ``pack_table`` takes them),
+    with position_ids and sample_lengths added."""
     lengths = _lengths(table)
-    return assemble(table, np.arange(len(lengths)), lengths, np.ones(len(lengths), dtype=np.int64))
+    samples = np.arange(len(lengths)) if samples is None else np.asarray(samples, dtype=np.int64)
+    return assemble(table, samples, lengths[samples], np.ones(len(samples), dtype=np.int64))
 
 
 def _lengths(table: pa.Table) -> np.ndarray:

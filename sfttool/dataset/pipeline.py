@@ -28,8 +28,8 @@ from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, lo
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
-                                    drop_untrained_rows, fn_name, map_batch, missing_conversation, note_emptied,
-                                    pretokenized_table, record_truncation, to_table)
+                                    drop_untrained_rows, fn_name, map_batch, map_batch_or_drop, missing_conversation,
+                                    note_emptied, pretokenized_table, record_truncation, to_table)
 from sfttool.registry import build_if_config
 
 
@@ -65,11 +65,14 @@ def select_rows(dataset, max_dataset_length: int | None, seed: int, report: Pipe
     return dataset.select(keep)
 
 
-def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport):
-    """The dataset map fn on every row; what it changed in a row is counted (``stages.count_notes``)."""
+def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport,
+                 role: str = "dataset_map_fn", none_drops: bool = False):
+    """The dataset map fn on every row; what it changed in a row is counted (``stages.count_notes``).
+    ``none_drops``: a row the fn returns None for is left out (``stages.map_batch_or_drop``)."""
     import pyarrow.compute as pc
-    dataset = dataset.map(map_batch, batched=True, with_indices=True, num_proc=num_proc,
-                          fn_kwargs=dict(fn=map_fn, source=source), desc=f"Map fn {fn_name(map_fn)}")
+    batch_fn, remove = (map_batch_or_drop, dataset.column_names) if none_drops else (map_batch, None)
+    dataset = dataset.map(batch_fn, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
+                          fn_kwargs=dict(fn=map_fn, source=source, role=role), desc=f"Map fn {fn_name(map_fn)}")
     notes = _column(dataset, NOTES_COLUMN)
     changed = np.flatnonzero(pc.utf8_length(notes).to_numpy(zero_copy_only=False) > 0)
     if len(changed):  # few rows: only those pass through Python
@@ -208,8 +211,11 @@ def drop_untrained(dataset, report: PipelineReport, max_length: int):
     return dataset.select(np.flatnonzero(trained > 0))
 
 
+# Which of several data sources a sample came from (``data_sources``): its index in the list.
+SOURCE_COLUMN = "_sfttool_source"
+
 # Columns the stages add for their own counts and messages; not part of a training row.
-HELPER_COLUMNS = ("num_tokens", "num_trained", "first_trained", ROW_COLUMN)
+HELPER_COLUMNS = ("num_tokens", "num_trained", "first_trained", ROW_COLUMN, SOURCE_COLUMN)
 
 
 def count_truncated(dataset, report: PipelineReport) -> None:
@@ -227,17 +233,18 @@ def require_rows(dataset, report: PipelineReport):
 
 
 def finish_rows(table, pack_to_max_length: bool, max_length: int, strategy: str, shuffle: bool, seed: int,
-                report: PipelineReport):
-    """Pack (or lay out one sample per row) and wrap as a ``datasets.Dataset``."""
+                report: PipelineReport, samples=None):
+    """Pack (or lay out one sample per row) and wrap as a ``datasets.Dataset``; ``samples``: the rows of
+    ``table`` to use, in order (``pack.pack_table``), default every row."""
     from datasets import Dataset
     from sfttool.dataset.pack import pack_table, unpacked_table
     if pack_to_max_length:
-        rows, report.pack = pack_table(table, max_length, strategy, shuffle, seed)
+        rows, report.pack = pack_table(table, max_length, strategy, shuffle, seed, samples)
     else:
-        rows = unpacked_table(table)
+        rows = unpacked_table(table, samples)
         for name in table.column_names:
             if name not in rows.column_names and name not in HELPER_COLUMNS:
-                rows = rows.append_column(name, table[name])
+                rows = rows.append_column(name, table[name] if samples is None else table[name].take(samples))
     return Dataset(rows, fingerprint=content_fingerprint(rows))
 
 
@@ -276,20 +283,39 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     the encode stage reads, instead of inside the encode stage's ``map``: each runs once either way.
     """
     source = source or source_name(dataset)
-    template = template_of(template_map_fn)
+    template_of(template_map_fn)  # an unknown template is said before the data is read
     tokenizer = build_if_config(tokenizer, "tokenizer")
     dataset = resolve_dataset(dataset, split)
     if do_dataset_tokenization:
         dataset = number_rows(dataset)
-    map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
     report = PipelineReport(rows_in=len(dataset))
+    if keep_stages:
+        report.stages["loaded"] = dataset
+    dataset = select_rows(dataset, max_dataset_length, seed, report)
+    table = sample_table(dataset, tokenizer, max_length, report, dataset_map_fn, template_map_fn, rename_maps,
+                         remove_unused_columns or pack_to_max_length,  # packing keeps only token columns
+                         input_ids_with_output, map_num_proc, do_dataset_tokenization, source, keep_stages,
+                         skip_bad_rows)
+    dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
+    if keep_stages:
+        report.stages["packed" if pack_to_max_length else "rows"] = dataset
+    report.rows_out = len(dataset)
+    return dataset, report
+
+
+def sample_table(dataset, tokenizer, max_length: int, report: PipelineReport, dataset_map_fn=None,
+                 template_map_fn=None, rename_maps=(), remove_unused_columns=False, input_ids_with_output=True,
+                 map_num_proc=None, do_dataset_tokenization=True, source=None, keep_stages=False,
+                 skip_bad_rows=False):
+    """The stages from the map fn to the encoded samples, on rows already loaded (and numbered): an
+    Arrow table of one sample per row, with the token counts packing and the reports read."""
+    template = template_of(template_map_fn)
+    tokenizer = build_if_config(tokenizer, "tokenizer")
+    map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
     stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
-    stage("loaded", dataset)
     num_proc = default_num_proc(len(dataset), map_num_proc)
     # datasets 5 starts a process pool for num_proc=1 too, pickling the tokenizer to send it there.
     num_proc = num_proc if num_proc > 1 else None
-
-    dataset = select_rows(dataset, max_dataset_length, seed, report)
     if map_fn is not None:
         dataset = apply_map_fn(dataset, map_fn, num_proc, source, report)
         stage("map_fn", dataset)
@@ -301,24 +327,19 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
         stage("template", dataset)
     for old, new in rename_maps:
         dataset = dataset.rename_column(old, new)
-    if do_dataset_tokenization:
-        require_conversation(dataset, map_fn, source)
-        dataset = require_rows(drop_empty(dataset, report), report)
-        remove = remove_unused_columns or pack_to_max_length  # packing keeps only token columns
-        dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove, num_proc,
-                         source, report, template_map_fn if fold else None, skip_bad_rows)
-        count_truncated(dataset, report)
-        if input_ids_with_output:
-            dataset = require_rows(drop_untrained(dataset, report, max_length), report)
-        stage("encoded", dataset)
-        table = to_table(dataset)
-        count_tokens(table, report)
-    else:
-        table = pretokenized_table(dataset, max_length, report)
-    dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
-    stage("packed" if pack_to_max_length else "rows", dataset)
-    report.rows_out = len(dataset)
-    return dataset, report
+    if not do_dataset_tokenization:
+        return pretokenized_table(dataset, max_length, report)
+    require_conversation(dataset, map_fn, source)
+    dataset = require_rows(drop_empty(dataset, report), report)
+    dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove_unused_columns,
+                     num_proc, source, report, template_map_fn if fold else None, skip_bad_rows)
+    count_truncated(dataset, report)
+    if input_ids_with_output:
+        dataset = require_rows(drop_untrained(dataset, report, max_length), report)
+    stage("encoded", dataset)
+    table = to_table(dataset)
+    count_tokens(table, report)
+    return table
 
 
 def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=None, template_map_fn=None,

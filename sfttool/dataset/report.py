@@ -60,13 +60,14 @@ class PipelineReport:
     split: dict[int, int] = field(default_factory=dict)  # samples a conversation became (> 1) -> conversations
     # Rows the dataset map fn left with an empty conversation -> what it changed, until they are dropped.
     emptied: dict[int, list[str]] = field(default_factory=dict)
+    sources: list[Any] = field(default_factory=list)  # data_sources.SourceStats, one per source of a mix
 
     def drop(self, reason: str, rows: list[str], count: int | None = None) -> None:
         """Count ``count`` (default: ``len(rows)``) dropped rows; keep the first rows' names."""
         _tally(self.dropped, self.drop_examples, reason, rows, len(rows) if count is None else count)
 
-    def change(self, note: str, rows: list[str]) -> None:
-        _tally(self.changed, self.change_examples, note, rows, len(rows))
+    def change(self, note: str, rows: list[str], count: int | None = None) -> None:
+        _tally(self.changed, self.change_examples, note, rows, len(rows) if count is None else count)
 
 
 def _tally(counts: dict[str, int], named: dict[str, list[str]], key: str, rows: list[str], count: int) -> None:
@@ -108,9 +109,19 @@ def split_lines(report: PipelineReport) -> list[str]:
 
 
 def count_split(report: PipelineReport, rows_of_samples) -> None:
-    """Count conversations by the samples they became, from each sample's row number (in order)."""
+    """Count conversations by the samples they became, from each sample's row number (in order): a
+    conversation's samples are consecutive, so a run of one number is one conversation (a source's
+    ``slice`` may use a row again further on: that is another conversation).
+
+    >>> report = PipelineReport(); count_split(report, [0, 0, 1, 2, 2, 0, 0]); report.split
+    {2: 3}
+    """
     import numpy as np
-    _, samples = np.unique(np.asarray(rows_of_samples), return_counts=True)
+    numbers = np.asarray(rows_of_samples)
+    if not len(numbers):
+        return
+    starts = np.flatnonzero(np.r_[True, numbers[1:] != numbers[:-1]])
+    samples = np.diff(np.r_[starts, len(numbers)])
     for many, n in zip(*np.unique(samples[samples > 1], return_counts=True)):
         report.split[int(many)] = report.split.get(int(many), 0) + int(n)
 

@@ -55,12 +55,12 @@ class SafeMapFn:
     the fn's name and, when its fields fit another map fn, that one; the fn sees the row without
     sfttool's row-number column. Map fns that take ``notes`` report what they changed in the row."""
 
-    def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn"):
-        self.fn, self.source, self.role = fn, source, role
+    def __init__(self, fn: Callable, source: str | None = None, role: str = "dataset_map_fn", none_drops: bool = False):
+        self.fn, self.source, self.role, self.none_drops = fn, source, role, none_drops
         self.name = fn_name(fn)
         self.takes_notes = _takes_notes(fn)
 
-    def __call__(self, row: dict, index: int, notes: list[str] | None = None) -> dict:
+    def __call__(self, row: dict, index: int, notes: list[str] | None = None) -> dict | None:
         if ROW_COLUMN in row:
             index = row[ROW_COLUMN]
             row = {k: v for k, v in row.items() if k != ROW_COLUMN}
@@ -70,6 +70,8 @@ class SafeMapFn:
             exc, row = self._as_in_file(exc, row, index)
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} failed: "
                                f"{type(exc).__name__}: {exc}{self._hint(row)}") from None
+        if mapped is None and self.none_drops:
+            return None
         if not isinstance(mapped, Mapping):
             raise DatasetError(f"{where(index, self.source)}: {self.role} {self.name} returned "
                                f"{type(mapped).__name__}, not a dict")
@@ -93,7 +95,7 @@ class SafeMapFn:
 
     def _hint(self, row: Any) -> str:
         from sfttool.dataset.map_fns.suggest import fitting_map_fn
-        fitting = fitting_map_fn(row) if self.role == "dataset_map_fn" else None
+        fitting = fitting_map_fn(row) if self.role != "template_map_fn" else None
         if fitting is None or fitting == self.name:
             return ""
         return f" (the row's fields fit {fitting}: set {_setting(fitting)})"
@@ -139,7 +141,7 @@ def map_rows(rows: Sequence[Mapping], row_numbers: Sequence[int], fn: Callable, 
 def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, source: str | None = None,
               role: str = "dataset_map_fn") -> dict[str, list]:
     """``datasets.map(batched=True, with_indices=True)`` form of ``map_rows``: the returned columns, and
-    (for the dataset map fn) ``NOTES_COLUMN``."""
+    (for the dataset map fn, not the template's) ``NOTES_COLUMN``."""
     names = list(batch)
     rows = [dict(zip(names, values)) for values in zip(*batch.values())]
     mapped, notes = map_rows(rows, _numbers(batch, indices), fn, source, role)
@@ -149,8 +151,42 @@ def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, sour
             columns.setdefault(key, [None] * len(mapped))[i] = value
     if "conversation" in columns:  # one struct type for every batch the map writes
         columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
-    if role == "dataset_map_fn":
+    if role != "template_map_fn":  # the dataset's map fn (a source's ``map_fn`` too)
         columns[NOTES_COLUMN] = ["\n".join(n) for n in notes]
+    return columns
+
+
+def map_batch_or_drop(batch: dict[str, list], indices: Sequence[int], fn: Callable, source: str | None = None,
+                      role: str = "map_fn") -> dict[str, list]:
+    """``map_batch`` for a data source's map fn, which drops a row by returning None (as Twinkle's
+    ``Dataset.map`` does): the kept rows only, each its input columns updated with what ``fn`` returned,
+    plus ``NOTES_COLUMN``. Run with ``remove_columns`` set to every input column, so that a batch whose
+    rows are all dropped writes nothing (``datasets`` skips an empty batch).
+
+    >>> map_batch_or_drop({'q': ['a', ''], 'a': ['b', 'c']}, [0, 1],
+    ...                   lambda r: {'conversation': [{'input': r['q'], 'output': r['a']}]} if r['q'] else None)['q']
+    ['a']
+    """
+    names = list(batch)
+    rows = [dict(zip(names, values)) for values in zip(*batch.values())]
+    numbers = _numbers(batch, indices)
+    check_dicts(rows, numbers, source)
+    safe = SafeMapFn(fn, source, role, none_drops=True)
+    kept: list[dict] = []
+    notes: list[str] = []
+    for row, number in zip(rows, numbers):
+        changed: list[str] = []
+        mapped = safe(row, number, changed)
+        if mapped is not None:
+            kept.append({**row, **mapped})
+            notes.append("\n".join(changed))
+    columns: dict[str, list] = {}
+    for i, row in enumerate(kept):
+        for key, value in row.items():
+            columns.setdefault(key, [None] * len(kept))[i] = value
+    if "conversation" in columns:
+        columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
+    columns[NOTES_COLUMN] = notes
     return columns
 
 

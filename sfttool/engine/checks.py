@@ -33,9 +33,13 @@ import torch
 from sfttool.config import ConfigError, validate_config
 from sfttool.config.arguments import typed_nodes
 from sfttool.config.settings import setting
+from sfttool.dataset.data_sources import process_data_sources
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
 from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
+from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.source_stages import check_sources
+from sfttool.dataset.streaming_sources import StreamingDataSources, stream_problems
 from sfttool.dataset.streaming import StreamingPackedDataset, refuse_changed_results
 from sfttool.dataset.streaming import check_settings as check_stream_settings
 from sfttool.engine.deepspeed import deepspeed_config
@@ -69,6 +73,7 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     if type_name((cfg.get("train_cfg") or {}).get("type")) == "GRPOLoop":  # its rounds fit its steps
         _collect(found.errors, check_loop_config, cfg)
     found.errors += dataset_setting_problems(cfg)
+    found.errors += [ConfigError(line) for line in stream_sampler_problems(cfg)]
     found.errors += sequence_parallel_problems(cfg, world_size)
     found.errors += router_aux_loss_problems(cfg)
     _collect(found.errors, check_lora_targets, cfg)
@@ -135,6 +140,20 @@ def _check_stream(a: dict) -> None:
                           a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], a["with_image_token"])
 
 
+def _check_sources(a: dict) -> None:
+    check_pipeline_settings(a["max_length"], a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], False)
+    check_sources(a["data_sources"], a["mix_strategy"], a["mix_probabilities"], a["stopping_strategy"])
+
+
+def _check_streamed_sources(a: dict) -> None:
+    check_stream_settings(a["max_length"], a["buffer_size"], a["encode_chunk"], a["rows_per_epoch"],
+                          a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"], False)
+    problems = stream_problems(a["data_sources"], a["pack_per_source"]) if isinstance(a["data_sources"], list) else []
+    if problems:
+        raise DatasetError("\n".join(problems))
+    check_sources(a["data_sources"], a["mix_strategy"], a["mix_probabilities"], a["stopping_strategy"])
+
+
 # The dataset builders' own checks of their settings (run again when the dataset is built), and what they read.
 _SETTINGS = ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy", "with_image_token",
              "max_dataset_length")
@@ -142,6 +161,13 @@ DATASET_SETTING_CHECKS = {
     process_hf_dataset: (_check_pipeline, _SETTINGS),
     StreamingPackedDataset: (_check_stream, _SETTINGS + ("rename_maps", "do_dataset_tokenization", "buffer_size",
                                                          "encode_chunk", "rows_per_epoch")),
+    process_data_sources: (_check_sources, ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy",
+                                            "data_sources", "mix_strategy", "mix_probabilities",
+                                            "stopping_strategy")),
+    StreamingDataSources: (_check_streamed_sources, ("max_length", "pack_to_max_length", "use_varlen_attn",
+                                                     "pack_strategy", "buffer_size", "encode_chunk", "rows_per_epoch",
+                                                     "data_sources", "mix_strategy", "mix_probabilities",
+                                                     "stopping_strategy", "pack_per_source")),
 }
 
 
@@ -161,6 +187,17 @@ def dataset_setting_problems(cfg: Any) -> list[SfttoolError]:
             for error in found:
                 problems.setdefault(str(error), type(error)(f"{key}: {error}"))
     return list(problems.values())
+
+
+def stream_sampler_problems(cfg: Any) -> list[str]:
+    """A sampler on a streamed dataset (which reads its rows in its own seeded order): one line, else
+    torch's DataLoader refuses it with a traceback once the model is built."""
+    loader = cfg.get("train_dataloader") or {}
+    kind = _type_of(loader.get("dataset"))
+    if not _is_a(kind, torch.utils.data.IterableDataset) or loader.get("sampler") is None:
+        return []
+    return [f"train_dataloader.sampler: {kind.__name__} is a stream, read in its own seeded order (set_epoch "
+            "varies it per epoch); set sampler=None"]
 
 
 def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:

@@ -17,7 +17,8 @@ from mmengine.logging import print_log
 
 from sfttool.config import ConfigError, find_config
 from sfttool.config.settings import setting
-from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset
+from sfttool.dataset.config_node import dataset_node, is_built_by, is_process_hf_dataset
+from sfttool.dataset.data_sources import process_data_sources
 from sfttool.dataset.resolve import template_of
 from sfttool.dataset.template_check import template_warnings
 from sfttool.engine.safety import WorkDirError, apply_trust_remote_code, check_work_dir_writable, remote_code_warning
@@ -157,7 +158,8 @@ def template_problems(cfg: Any) -> list[str]:
     """What ``check-custom-dataset`` finds wrong with the template for this tokenizer: a render that
     differs from the tokenizer's own chat_template, markers that are not special tokens."""
     node = dataset_node(cfg)
-    if not is_process_hf_dataset(node) or node.get("template_map_fn") is None:
+    takes_template = is_process_hf_dataset(node) or is_built_by(node, process_data_sources)
+    if not takes_template or node.get("template_map_fn") is None:
         return []
     template = template_of(node["template_map_fn"])
     if template is None:

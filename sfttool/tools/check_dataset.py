@@ -25,11 +25,14 @@ from sfttool.dataset.chat_targets import describe
 from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset, pipeline_args
 from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.data_sources import process_data_sources, run_sources, source_lines
 from sfttool.dataset.mix import mix_datasets
+from sfttool.dataset.streaming_sources import StreamingDataSources, stream_problems
 from sfttool.dataset.pipeline import run_pipeline
 from sfttool.dataset.report import change_lines, drop_emptied, drop_lines, split_lines
 from sfttool.dataset.resolve import resolve_map_fn, skip_bad_rows_in, source_name, template_of
-from sfttool.dataset.stages import map_rows, missing_conversation
+from sfttool.dataset.source_stages import KEEP_COLUMN, filter_batch, load_source, source_label, sources_problems
+from sfttool.dataset.stages import SafeMapFn, map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type
 from sfttool.tools.check_preference import check_preference, is_preference_node
@@ -94,8 +97,8 @@ def show_row(row: dict) -> str:
     return "\n".join(lines)
 
 
-def print_stages(report, tokenizer, echo: Echo, color: bool) -> None:
-    names = {"loaded": "raw row", "map_fn": "after dataset_map_fn", "template": "after template_map_fn"}
+def print_stages(report, tokenizer, echo: Echo, color: bool, map_fn_key: str = "dataset_map_fn") -> None:
+    names = {"loaded": "raw row", "map_fn": f"after {map_fn_key}", "template": "after template_map_fn"}
     for key, title in names.items():
         if key in report.stages and len(report.stages[key]):
             echo(f"\n== {title} (row 0) ==\n{show_row(report.stages[key][0])}")
@@ -200,7 +203,7 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
                   color: bool = False, skip_bad_rows: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
-    A ``mix_datasets`` node is checked dataset by dataset. ``skip_bad_rows``: as ``sfttool train
+    A ``mix_datasets`` node is checked dataset by dataset, a ``process_data_sources`` node source by source. ``skip_bad_rows``: as ``sfttool train
     --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
     """
     echo(f"Config: {find_config(config)}")
@@ -214,6 +217,8 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
         check_preference(node, findings, max_errors, echo, color, batch_size)
     elif is_prompt_node(node):
         check_prompts(node, findings, max_errors, echo, color, batch_size)
+    elif resolve_type(node["type"], "train_dataloader.dataset.type") in (process_data_sources, StreamingDataSources):
+        check_sources_node(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") is mix_datasets:
         parts = list(node.get("datasets") or [])
         for i, part in enumerate(parts):
@@ -269,3 +274,70 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         print_stages(report, tokenizer, echo, color)
         print_kinds(report, row_kinds(report), tokenizer, echo, color)
         print_stats(report, args, batch_size, echo)
+
+
+# ---------------------------------------------------------------------------
+# data_sources: each source's rows through its map fn and filter, then the mix.
+
+def check_source_row(row: dict, index: int, map_fn, filter_fn, source: str) -> None:
+    """One raw row of a source through its map fn (None: dropped, no error) and filter fn (anything but a
+    bool is an error), then strictly against the standard schema, as ``check_row``."""
+    row = {k: v for k, v in row.items() if k != ROW_COLUMN}
+    if map_fn is not None:
+        mapped = SafeMapFn(map_fn, source, "map_fn", none_drops=True)(row, index)
+        if mapped is None:
+            return
+        row = {**row, **mapped}  # as the pipeline's map stage keeps the row's other fields
+    if filter_fn is not None and not filter_batch({**{k: [v] for k, v in row.items()}, ROW_COLUMN: [index]},
+                                                  filter_fn, source)[KEEP_COLUMN][0]:
+        return
+    check_row(row, index, None, source)
+
+
+def check_sources_node(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
+                       batch_size: int | None) -> None:
+    """Every source's rows checked (all of them, before any slice), then the mix built and shown source by
+    source, with each source's counts and shares. A ``StreamingDataSources`` node is checked the same way,
+    eagerly: the samples and drops are those of its one reader's first pass."""
+    args = {n: p.default for n, p in inspect.signature(process_data_sources).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    args.update({k: v for k, v in node.items() if k != "type"})
+    sources = args["data_sources"]
+    streamed = resolve_type(node["type"]) is StreamingDataSources
+    refused = stream_problems(sources, args["pack_per_source"]) if streamed and isinstance(sources, list) else []
+    for problem in refused + sources_problems(sources, args["mix_strategy"], args["mix_probabilities"],
+                                              args["stopping_strategy"]):
+        findings.error(f"train_dataloader.dataset: {problem}")
+    if findings.count():
+        return
+    tokenizer = build_if_config(args["tokenizer"], "tokenizer")
+    template = template_of(args["template_map_fn"])
+    for warning in template_warnings(template, tokenizer) if template is not None else ():
+        findings.warn(warning)
+    for index, source in enumerate(sources):
+        echo(f"\n######## {source_label(index, source)}: source {index + 1} of {len(sources)} ########")
+        loaded = guard(findings, load_source, index, {**source, "slice": None})
+        if loaded is None:
+            continue
+        rows, name, _ = loaded
+        echo(f"Validating all {len(rows)} rows ...")
+        map_fn = resolve_map_fn(source.get("map_fn"))
+        collect_row_errors(rows, lambda row, i: check_source_row(row, i, map_fn, source.get("filter_fn"), name),
+                           findings, max_errors)
+    if findings.count():
+        return
+    run_args = {k: v for k, v in args.items() if k in inspect.signature(run_sources).parameters}
+    dataset, report = guard(findings, run_sources, **dict(run_args, tokenizer=tokenizer, keep_stages=True)) \
+        or (None, None)
+    if report is None:
+        return
+    for stats in report.sources:
+        echo(f"\n######## {stats.label} ########")
+        check_turn_ends(stats.report, tokenizer, findings)
+        print_stages(stats.report, tokenizer, echo, color, "map_fn and filter_fn")
+    for line in change_lines(report):
+        findings.warn(line)
+    print_stats(report, args, batch_size, echo)
+    echo(f"\n== sources ({args['mix_strategy']}) ==")
+    for line in source_lines(report, args["mix_strategy"]):
+        echo(line)

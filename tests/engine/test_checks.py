@@ -152,3 +152,68 @@ def test_the_dataset_builders_settings_are_checked_before_anything_is_built():
         "remove pack_strategy, or use process_hf_dataset"]
     cfg.train_dataloader.dataset.update(pack_strategy="bfd", max_length=dict(type="sfttool.assets.longest"))
     assert checks.dataset_setting_problems(cfg) == []  # built lazily: left to the builder
+
+
+def test_data_sources_settings_are_checked_before_anything_is_built():
+    """Every problem of PART 1's data_sources and mix settings, one line each, under the dataset's key."""
+    from sfttool.dataset import process_data_sources
+
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(
+        type=process_data_sources, tokenizer=None, max_length=64, mix_strategy="interleave",
+        mix_probabilities=[0.9, 0.2],
+        data_sources=[dict(data_path="missing.jsonl"), dict(name="b", data_path="tatsu-lab/alpaca", filtr=None)]))))
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: data_sources[0].data_path 'missing.jsonl': no such file or folder; set "
+        "data_sources[0].data_path to your data file, a folder or a glob, or a dataset name on the hub\n"
+        "data_sources[1]: unknown key 'filtr'; did you mean 'filter_fn'? a source takes data_path, name, subset, "
+        "split, map_fn, filter_fn, slice, ratio\n"
+        "mix_probabilities [0.9, 0.2] sum to 1.1; they must sum to 1"]
+
+
+def test_the_template_check_covers_data_sources(tiny_tokenizer_dir):
+    """train's template check (preflight.template_problems) reads a process_data_sources node as it reads
+    process_hf_dataset's: llama3_chat on a ChatML tokenizer is found before any data is processed."""
+    from transformers import AutoTokenizer
+
+    from sfttool.dataset import process_data_sources
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    from sfttool.engine.preflight import template_problems
+
+    def node(template):
+        return Config(dict(train_dataloader=dict(dataset=dict(
+            type=process_data_sources, data_sources=[dict(data_path="tatsu-lab/alpaca")], max_length=64,
+            tokenizer=dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=str(tiny_tokenizer_dir)),
+            template_map_fn=dict(type=template_map_fn_factory, template=template)))))
+
+    assert template_problems(node("llama3_chat"))[0].startswith(
+        "the configured template renders differently from the tokenizer's chat_template")
+    assert template_problems(node("qwen_chat")) == []
+
+
+def test_streamed_data_sources_settings_are_checked_before_anything_is_built():
+    from sfttool.dataset.streaming_sources import StreamingDataSources
+
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(
+        type=StreamingDataSources, tokenizer=None, max_length=64, buffer_size=0,
+        data_sources=[dict(data_path="tatsu-lab/alpaca", slice=range(10))]))))
+    problems = [str(p) for p in checks.dataset_setting_problems(cfg)]
+    assert len(problems) == 1 and problems[0].startswith("train_dataloader.dataset: buffer_size must be")
+    cfg.train_dataloader.dataset.buffer_size = 100
+    assert [str(p) for p in checks.dataset_setting_problems(cfg)] == [
+        "train_dataloader.dataset: data_sources[0].slice is not available when streaming: row indices need the "
+        "source's length, which a stream does not know; remove it, or use process_data_sources"]
+
+
+def test_a_sampler_on_a_stream_is_one_line():
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    from sfttool.dataset.streaming_sources import StreamingDataSources
+
+    for stream in (StreamingPackedDataset, StreamingDataSources):
+        cfg = Config(dict(train_dataloader=dict(dataset=dict(type=stream), sampler=dict(type="DefaultSampler"))))
+        assert checks.stream_sampler_problems(cfg) == [
+            f"train_dataloader.sampler: {stream.__name__} is a stream, read in its own seeded order (set_epoch "
+            "varies it per epoch); set sampler=None"]
+        cfg.train_dataloader.sampler = None
+        assert checks.stream_sampler_problems(cfg) == []
+    cfg = Config(dict(train_dataloader=dict(dataset=dict(type=process_hf_dataset), sampler=dict(type="DefaultSampler"))))
+    assert checks.stream_sampler_problems(cfg) == []

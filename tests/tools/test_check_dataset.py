@@ -274,3 +274,71 @@ def test_turns_without_an_end_token_and_ignored_fields_are_warnings(tmp_path, ti
     code, out = check(cfg)
     assert "WARNING: 2 trained turns do not end with an end-of-turn token (rows 0, 1): the model will not learn " \
            "to stop there" in out, out
+
+
+SOURCES_CONFIG = """
+from transformers import AutoTokenizer
+from sfttool.dataset import process_data_sources
+from sfttool.dataset.map_fns import template_map_fn_factory, alpaca_map_fn
+from sfttool.utils import PROMPT_TEMPLATE
+
+def answered(row):
+    return {filter_body}
+
+tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path={tok!r})
+data_sources = [dict(name='chat', data_path={chat!r}),
+                dict(name='alpaca', data_path={alpaca!r}, map_fn=alpaca_map_fn, filter_fn=answered, slice=range(6))]
+train_dataset = dict(type=process_data_sources, data_sources=data_sources, tokenizer=tokenizer, max_length=128,
+                     template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat))
+train_dataloader = dict(batch_size=2, dataset=train_dataset)
+"""
+
+
+def sources_config(tmp_path, tok_dir, filter_body="bool(row['output'])"):
+    chat = assets.write_jsonl(tmp_path / "chat.jsonl", assets.tiny_conversations(5))
+    alpaca = assets.write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Add.", "input": "1 2", "output": "3"}, {"instruction": "Say nothing.", "input": "", "output": ""},
+        {"instruction": "Name a colour.", "input": "", "output": "Red."}])
+    cfg = tmp_path / "sources.py"
+    cfg.write_text(SOURCES_CONFIG.format(tok=str(tok_dir), chat=str(chat), alpaca=str(alpaca),
+                                         filter_body=filter_body))
+    return cfg, alpaca
+
+
+def test_data_sources_are_checked_source_by_source(tmp_path, tiny_tokenizer_dir):
+    cfg, _ = sources_config(tmp_path, tiny_tokenizer_dir)
+    code, out = check(cfg)
+    assert code == 0, out
+    assert "######## data_sources[0] (chat): source 1 of 2 ########" in out
+    assert "######## data_sources[1] (alpaca): source 2 of 2 ########" in out
+    assert out.count("Validating all 5 rows ...") == 1 and out.count("Validating all 3 rows ...") == 1
+    # alpaca: rows 0 1 2 0 1 2; the filter drops row 1 (empty answer) both times.
+    assert "dropped 2 rows: data_sources[1] (alpaca): filter_fn answered returned False (row 1, row 1)" in out
+    assert "data_sources[0] (chat): 5 rows read, 5 after map/filter, 5 samples, 5 used, " in out
+    assert "data_sources[1] (alpaca): 3 rows read (6 after slice), 4 after map/filter, 4 samples, 4 used, " in out
+    assert "concat share of samples 0.444 (requested 0.444)" in out
+    assert "OK: 0 errors, 0 warnings" in out
+
+
+def test_a_filter_returning_a_non_bool_is_an_error_naming_the_row(tmp_path, tiny_tokenizer_dir):
+    cfg, alpaca = sources_config(tmp_path, tiny_tokenizer_dir, filter_body="len(row['output'])")
+    code, out = check(cfg)
+    assert code == 1, out
+    assert (f"ERROR: data_sources[1] (alpaca) {alpaca}, row 0: filter_fn answered returned int 1, not a bool; "
+            "return True to keep the row, False to drop it") in out
+
+
+def test_streamed_data_sources_are_checked_eagerly(tmp_path, tiny_tokenizer_dir):
+    cfg, _ = sources_config(tmp_path, tiny_tokenizer_dir)
+    text = cfg.read_text().replace("process_data_sources", "StreamingDataSources").replace(
+        "from sfttool.dataset import StreamingDataSources",
+        "from sfttool.dataset.streaming_sources import StreamingDataSources")
+    cfg.write_text(text)
+    code, out = check(cfg)
+    assert code == 1, out
+    assert ("ERROR: train_dataloader.dataset: data_sources[1].slice is not available when streaming: row indices "
+            "need the source's length, which a stream does not know; remove it, or use process_data_sources") in out
+    cfg.write_text(text.replace(", slice=range(6)", ""))
+    code, out = check(cfg)
+    assert code == 0, out
+    assert "data_sources[1] (alpaca): 3 rows read, 2 after map/filter, 2 samples, 2 used, " in out
