@@ -93,6 +93,9 @@ class SupervisedFinetune(BaseModel):
         compat.disable_bnb_cpu_weight_repacking(llm)
         self.lora = build_lora_config(lora) if lora is not None else None
         self.use_lora = self.lora is not None
+        if not self.use_lora and lora_targets != "all":
+            raise ConfigBuildError(f"model.lora_targets={lora_targets!r} chooses where LoRA goes, but model.lora is "
+                                   "None (full fine-tuning trains everything): set model.lora or remove lora_targets")
         if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
             raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
                                    "train the vision tower with full fine-tuning (lora=None) or keep it frozen")

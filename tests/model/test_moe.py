@@ -293,3 +293,9 @@ def test_packed_rows_give_the_unpacked_lm_loss(arch, tiny_moe_dir, make_sft, row
               for o, s in zip(each, samples)]
     units = sum(model.count_loss_units(rows.collate([rows.as_row(s)])) for s in samples)
     assert packed == pytest.approx(sum(totals) / units, rel=1e-5)
+
+
+def test_lora_targets_without_lora_is_one_line(tiny_moe_dir, make_sft):
+    with pytest.raises(ConfigBuildError, match=r"^model.lora_targets='experts' chooses where LoRA goes, but "
+                                               r"model.lora is None"):
+        make_sft(tiny_moe_dir("qwen3_moe"), lora_targets="experts")
