@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU readiness check (< 12 min on one H200, no download): sequence-parallel attention (one rank's
+# GPU readiness check (< 15 min on one H200, no download): sequence-parallel attention (one rank's
 # share of the heads over a whole 8k/32k packed row, flash-attention varlen vs SDPA; see
 # benchmarks/sp_attention_check.py), the loss alone (LM head +
 # cross-entropy, unchunked vs chunked vs fused kernels when installed), then LoRA and QLoRA steps of a
 # Llama-3-8B-shaped model with random weights, bf16, SDPA and flash-attention varlen
 # (when installed), packed rows of 2048 and 8192 tokens; prints tokens/s per GPU, MFU
 # and peak memory, writes gpu_check.json to $OUT (or benchmarks/results/). Online RL: the rollout
-# benchmark (sfttool's generation vs model.generate; the vLLM engine when vllm is installed).
+# benchmark (sfttool's generation vs model.generate; the vLLM engine when vllm is installed). Mixture of
+# experts: the grouped-GEMM experts kernel against the loop over experts (benchmarks/moe_step.py).
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine
 #   bash benchmarks/gpu_check.sh --dry-run        # anywhere: tiny shapes on CPU
@@ -57,5 +58,14 @@ if [ "${rollout_args[1]}" != tiny ] && "$py" -c "import vllm" 2>/dev/null; then
     timeout 100 "$py" benchmarks/rollout.py "${rollout_args[@]}" --engine vllm --out "$out_dir/rollout_vllm.json" \
         || echo "gpu_check: the vLLM rollout engine failed (exit $?); the model cases run anyway" >&2
 fi
+# Mixture of experts (benchmarks/moe_step.py): a LoRA step of two Qwen3-30B-A3B-shaped layers, bf16, one
+# 4096-token packed row, with transformers' grouped-GEMM experts kernel ('grouped_mm') against its loop over
+# the experts ('eager'), beside the dense model with the same active parameters; at most 150 s.
+case " $* " in
+    *" --dry-run "*) ;;
+    *) timeout 150 "$py" benchmarks/moe_step.py --device cuda --shape qwen3-30b-a3b-2l --methods lora --length 4096 \
+           --batch-size 1 --steps 3 --warmup 1 --out "$out_dir/moe_step_gpu.json" \
+           || echo "gpu_check: the MoE step benchmark failed (exit $?); the model cases run anyway" >&2 ;;
+esac
 # Hard stop below 8 minutes; the script itself skips cases that would start after --budget-s.
 exec timeout 470 "$py" benchmarks/gpu_check.py --out "$out_dir/gpu_check.json" "$@"

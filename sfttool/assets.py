@@ -114,12 +114,44 @@ def build_chat_tokenizer(save_dir: str | os.PathLike, family: str, chat_template
     return save_dir
 
 
+# Tiny mixture-of-experts shapes: 4 routed experts, 2 per token, expert width half the hidden size.
+MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+DENSE_ARCHS = ("llama", "qwen2")
+
+
+def _tiny_config(arch: str, common: dict):
+    """The transformers config of a tiny ``arch`` model (``DENSE_ARCHS`` or ``MOE_ARCHS``)."""
+    from transformers import (DeepseekV3Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig)
+
+    hidden = common["hidden_size"]
+    moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3_moe":  # every layer sparse; softmax router with a load-balancing loss
+        return Qwen3MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=hidden // 2,
+                              decoder_sparse_step=1, norm_topk_prob=True, head_dim=hidden // 4)
+    if arch == "mixtral":  # every layer sparse; softmax router with a load-balancing loss
+        common = dict(common, intermediate_size=hidden // 2)  # Mixtral's experts use intermediate_size
+        return MixtralConfig(**common, **moe, num_local_experts=4)
+    if arch == "deepseek_v3":  # a dense first layer, then routed + shared experts; sigmoid router, no aux loss
+        # Multi-head latent attention: every head has its own key and value (as in the real model's config).
+        common = dict(common, num_key_value_heads=common["num_attention_heads"])
+        return DeepseekV3Config(**common, **moe, n_routed_experts=4, n_shared_experts=1,
+                                moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                v_head_dim=16, rope_interleave=False)
+    raise ValueError(f"arch must be one of {DENSE_ARCHS + MOE_ARCHS}, got {arch!r}")
+
+
 def build_tiny_model(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, arch: str = "llama",
                      hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
-    """Save a random-initialised tiny ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
-    (with the tokenizer beside it) that ``from_pretrained`` loads."""
+    """Save a random-initialised tiny causal LM (with the tokenizer beside it) that
+    ``from_pretrained`` loads: dense ``'llama'``/``'qwen2'``, or mixture-of-experts ``'qwen3_moe'``,
+    ``'mixtral'`` or ``'deepseek_v3'`` (shared experts) with 4 experts, 2 routed per token."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
@@ -127,14 +159,9 @@ def build_tiny_model(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
                   max_position_embeddings=1024, tie_word_embeddings=False,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=tokenizer.bos_token_id)
-    if arch == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    elif arch == "qwen2":
-        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    config = _tiny_config(arch, common)
     torch.manual_seed(seed)
-    model = cls(config)
+    model = AutoModelForCausalLM.from_config(config)
     save_dir = Path(save_dir)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

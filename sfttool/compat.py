@@ -132,6 +132,28 @@ def disable_bnb_cpu_weight_repacking(model) -> int:
 _runs_in_this_process = itertools.count(1)
 
 
+@contextlib.contextmanager
+def peft_targets_as_given() -> Iterator[None]:
+    """peft 0.21 with transformers 5: creating or loading an adapter rewrites its targets as if they were
+    transformers 4 names of a fused MoE model (``convert_peft_config_for_transformers``). On models mapped
+    to Qwen2-MoE's pattern (Qwen3-MoE, DeepSeek-V3, ...) every module target ending in ``gate_proj``,
+    ``up_proj`` or ``down_proj`` becomes an expert parameter target, so LoRA silently leaves the shared
+    experts and the dense MLP layers; on Mixtral a ``gate`` target becomes the router. sfttool's targets
+    are already transformers 5 names (checked against the model), so the rewrite is skipped inside the
+    block. For peft >= 0.21 (the rewrite's first release) on transformers >= 5."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # an older peft: no rewrite
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def numbered_run_name(name: str) -> str:
     """The run's name, numbered from the second run of a process (``name_run2`` ...).
 

@@ -65,6 +65,20 @@ def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """``tiny_moe_dir(arch) -> Path``: a random tiny mixture-of-experts model (``assets.MOE_ARCHS``:
+    'qwen3_moe', 'mixtral', 'deepseek_v3'; 2 layers, hidden 64, 4 experts, 2 per token) + the no-BOS
+    tokenizer, built once per session."""
+    built = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = assets.build_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), tiny_tokenizer_dir, arch=arch)
+        return built[arch]
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_sft_jsonl(tmp_path_factory) -> Path:
     """64 rows in the standard `conversation` format, 1-3 turns each."""
     return assets.write_jsonl(tmp_path_factory.mktemp("data") / "sft.jsonl", assets.tiny_conversations(64))

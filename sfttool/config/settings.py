@@ -30,6 +30,7 @@ SETTINGS = {s.name: s for s in (
     Setting("export_best", False, "export the best validation's weights instead of the last"),
     Setting("experiment_name", None, "the run's name (default: the config's file name)"),
     Setting("work_dir", None, "where the run writes (--work-dir wins)"),
+    Setting("router_aux_loss_coef", None, "weight of an MoE router's load-balancing loss (None: the model's)"),
 )}
 
 

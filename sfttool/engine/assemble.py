@@ -21,7 +21,8 @@ from mmengine.registry import HOOKS
 
 from sfttool import compat
 from sfttool.engine.checkpoint import AtomicCheckpointHook, RNGStateHook
-from sfttool.engine.deepspeed import deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy
+from sfttool.engine.deepspeed import (deepspeed_config, deepspeed_optim_wrapper, deepspeed_strategy,
+                                      register_moe_leaf_modules)
 from sfttool.engine.hooks.plot_hook import LossPlotHook
 from sfttool.engine.hooks.preemption_hook import PreemptionHook
 from sfttool.engine.hooks.progress_hook import ProgressHook
@@ -195,6 +196,7 @@ def _build_hook(hook: Any, key: str) -> Any:
 
 def _deepspeed_runner(cfg: Any, model: Any, spec: RunSpec, common: dict):
     ds = deepspeed_config(spec.deepspeed, cfg, spec.world_size)
+    register_moe_leaf_modules(model)  # before DeepSpeed wraps the model and sets its ZeRO-3 hooks
     strategy = deepspeed_strategy(ds, lora=bool(getattr(model, "use_lora", False)))
     return FlexibleRunner(strategy=strategy, optim_wrapper=_guarded(
         deepspeed_optim_wrapper(dict(cfg.optim_wrapper)), cfg.optim_wrapper), **common)

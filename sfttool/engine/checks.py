@@ -22,6 +22,7 @@ processes it starts do not report again (``CHECKED_BY_LAUNCHER``).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from sfttool.engine.preflight import check_work_dir, resolve_resume, resolve_wor
 from sfttool.engine.spec import TrainOptions, accumulative_counts, trains_on_pairs, validation_enabled
 from sfttool.engine.tracking import check_trackers
 from sfttool.errors import SfttoolError
+from sfttool.model import moe
 from sfttool.model.sft import SupervisedFinetune
 from sfttool.model.vision import base_model, is_vision_language
 from sfttool.parallel.groups import SequenceParallelError, check_world_size
@@ -73,6 +75,8 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     found.errors += dataset_setting_problems(cfg)
     found.errors += [ConfigError(line) for line in stream_sampler_problems(cfg)]
     found.errors += sequence_parallel_problems(cfg, world_size)
+    found.errors += router_aux_loss_problems(cfg)
+    _collect(found.errors, check_lora_targets, cfg)
     if options.deepspeed:
         _collect(found.errors, deepspeed_config, options.deepspeed, cfg, world_size=world_size)
     work_dir = resolve_work_dir(cfg, options.work_dir)
@@ -239,6 +243,71 @@ def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
     return problems
 
 
+def router_aux_loss_problems(cfg: Any) -> list[SfttoolError]:
+    """PART 1's ``router_aux_loss_coef``: a number >= 0, for a model trained by ``SupervisedFinetune``'s
+    loss, whose config defines a router load-balancing loss (read from its ``config.json`` only)."""
+    coef = setting(cfg, "router_aux_loss_coef")
+    if coef is None:
+        return []
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        return [ConfigError(f"router_aux_loss_coef must be a number >= 0 (0: leave the loss out), got {coef!r}")]
+    model = _type_of(cfg.get("model"))
+    if isinstance(model, type) and not (issubclass(model, SupervisedFinetune)
+                                        and model.compute_loss is SupervisedFinetune.compute_loss):
+        return [ConfigError(f"router_aux_loss_coef: model.type={model.__name__} does not add the router's "
+                            "load-balancing loss (SupervisedFinetune does); remove router_aux_loss_coef")]
+    config = _llm_config(cfg)
+    if config is not None and getattr(config.get_text_config(), "router_aux_loss_coef", None) is None:
+        return [ConfigError(f"router_aux_loss_coef={coef}: the model ({type(config).__name__}) has no router "
+                            "load-balancing loss (a dense model, or an MoE balanced otherwise); remove the setting")]
+    return []
+
+
+def check_lora_targets(cfg: Any) -> None:
+    """``model.lora``'s targets (or ``model.lora_targets``' choice) against the model's modules and
+    parameters, on a copy of the model on the meta device (no weights: seconds even for a 30B model).
+    Run for mixture-of-experts models and wherever the config names targets; the build checks again."""
+    model, config = cfg.get("model") or {}, _llm_config(cfg)
+    lora = model.get("lora") if isinstance(model, dict) else None
+    if lora is None or config is None:
+        return
+    from sfttool.model.lora import build_lora_config, resolve_targets
+
+    lora_config = build_lora_config(copy.deepcopy(lora))
+    named = lora_config.target_modules is not None or lora_config.target_parameters
+    which = model.get("lora_targets", "all")
+    if not (named or which != "all" or _has_experts(config)):
+        return
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            llm = AutoModelForCausalLM.from_config(config)
+    except (ValueError, ImportError, TypeError):  # not a causal LM transformers can build: the build says
+        return
+    resolve_targets(llm, lora_config, which)
+
+
+def _has_experts(config: Any) -> bool:
+    text = config.get_text_config()
+    return any(getattr(text, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _llm_config(cfg: Any) -> Any:
+    """The transformers config of ``model.llm`` when it names a model folder or hub id that resolves
+    here (its ``config.json`` only), else None: the model build reports what is wrong."""
+    llm = (cfg.get("model") or {}).get("llm")
+    path = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=bool(llm.get("trust_remote_code", False)))
+    except (OSError, ValueError):
+        return None
+
+
 def checkpoint_interval_warning(cfg: Any) -> str | None:
     """A warning when periodic checkpoints fall inside an accumulation window: the gradients gathered
     since the last optimizer step are not saved, so a resume from such a checkpoint is not exact."""
@@ -253,10 +322,14 @@ def checkpoint_interval_warning(cfg: Any) -> str | None:
 
 
 def check_built_model(model: Any, size: int) -> None:
-    """What needs the built model: under sequence parallelism its attention heads (and key/value heads)
-    divide among the ranks of a group."""
+    """What needs the built model: under sequence parallelism it is neither a mixture-of-experts model nor a
+    vision-language checkpoint, and its attention heads (and key/value heads) divide among the ranks of a
+    group."""
     if size == 1:
         return
+    if moe.is_moe(model.llm):
+        raise SequenceParallelError(f"sequence_parallel_size={size}: mixture-of-experts models do not train with "
+                                    "sequence parallelism yet; set sequence_parallel_size = 1")
     if is_vision_language(model.llm):
         raise SequenceParallelError(f"sequence_parallel_size={size}: sequence parallelism is not available for "
                                     f"vision-language checkpoints ({type(base_model(model.llm)).__name__}) yet; "

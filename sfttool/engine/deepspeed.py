@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sfttool.config import ConfigError
+from sfttool.model import moe
 from sfttool.config.loader import deepspeed_preset_dir, list_deepspeed_presets
 from sfttool.registry import type_name
 
@@ -183,3 +184,16 @@ def deepspeed_optim_wrapper(optim_wrapper: dict) -> dict:
 def deepspeed_strategy(ds_config: dict, lora: bool) -> dict:
     # A LoRA run saves only the adapter: the frozen base weights stay out of checkpoints.
     return dict(type="DeepSpeedStrategy", config=ds_config, exclude_frozen_parameters=lora)
+
+
+def register_moe_leaf_modules(model: Any) -> list[str]:
+    """Mark each mixture-of-experts block of ``model.llm`` as a ZeRO-3 leaf: DeepSpeed then gathers the
+    whole block (router and every expert) on entry instead of tracing the experts one by one, so ranks
+    whose tokens reach different experts do not wait on each other (and prefetching does not follow one
+    rank's routing). Returns the class names marked; nothing for a dense model."""
+    classes = moe.moe_block_classes(getattr(model, "llm", model))
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]

@@ -134,14 +134,20 @@ def model_cfg_for_device(model_cfg: Any, on_gpu: bool) -> tuple[Any, str | None]
         f"is saved in {dtype}. Set {CPU_HALF_PRECISION_ENV}=1 to train in {dtype}")
 
 
-def model_cfg_in(model_cfg: Any, dtype: str | None) -> Any:
-    """``model_cfg`` loading the LLM in ``dtype``: itself when it does already, else a changed copy."""
-    if dtype is None or configured_dtype(model_cfg) == dtype:
+def model_cfg_in(model_cfg: Any, dtype: str | None, router_aux_loss_coef: float | None = None) -> Any:
+    """``model_cfg`` loading the LLM in ``dtype`` and weighing an MoE router's load-balancing loss by
+    PART 1's ``router_aux_loss_coef`` (None: the model's own): itself when it does already, else a
+    changed copy."""
+    new_dtype = dtype is not None and configured_dtype(model_cfg) != dtype
+    if not new_dtype and router_aux_loss_coef is None:
         return model_cfg
     changed = copy.deepcopy(model_cfg)
-    llm = changed["llm"]
-    llm.pop("torch_dtype", None)
-    llm["dtype"] = dtype
+    if new_dtype:
+        llm = changed["llm"]
+        llm.pop("torch_dtype", None)
+        llm["dtype"] = dtype
+    if router_aux_loss_coef is not None:
+        changed["router_aux_loss_coef"] = router_aux_loss_coef
     return changed
 
 

@@ -76,6 +76,7 @@ class RunSpec:
     resume_from: str | None = None     # the checkpoint --resume resolved to
     world_size: int = 1
     strict: bool = False
+    router_aux_loss_coef: float | None = None  # PART 1's override of the MoE model's own (None: the model's)
 
     @property
     def launcher(self) -> str:
@@ -109,7 +110,8 @@ def build_spec(cfg: Any, options: TrainOptions, world_size: int) -> RunSpec:
         dry_run=options.dry_run, trackers=tuple(tracker_names(setting(cfg, "report_to"))),
         export_best=bool(setting(cfg, "export_best")), deepspeed=options.deepspeed,
         resume_from=resolve_resume(options.resume, work_dir, options.deepspeed),
-        world_size=world_size, strict=options.strict)
+        world_size=world_size, strict=options.strict,
+        router_aux_loss_coef=setting(cfg, "router_aux_loss_coef"))
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@ where the outputs go. Printed on rank 0 before the first iteration and kept in
 the run's log file; with ``--verbose`` the full config and hook table follow it.
 
     Training ./models/smollm2 with LoRA (r=8) in float32 on CPU (2 threads): 0.92 M of 135.4 M
-    parameters trained (0.68 %). Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step
+    parameters trained (0.68 %). LoRA on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj.
+    Data: 57 rows, 9,120 tokens; about 2,560 tokens per optimizer step
     (batch 1 x 16 accumulation x 1 process). 57 iterations = 4 optimizer steps = 1 epoch. Outputs in
     ./work_dirs/demo (checkpoints, log, config); the adapter goes to ./work_dirs/demo/hf_adapter.
 """
@@ -46,6 +47,16 @@ def method(cfg: Any, model: Any) -> str:
     rank = ((cfg.get("model") or {}).get("lora") or {}).get("r")
     name = "QLoRA" if isinstance(llm, dict) and llm.get("quantization_config") is not None else "LoRA"
     return f"{name} (r={rank})" if rank is not None else name
+
+
+def lora_targets(model: Any) -> str:
+    """`` LoRA on q_proj, v_proj.`` (what the adapters sit on), or '' without LoRA."""
+    from sfttool.model.lora import target_summary
+
+    llm = getattr(model, "llm", None)
+    if not getattr(model, "use_lora", False) or not hasattr(llm, "peft_config"):
+        return ""
+    return f" LoRA on {target_summary(llm)}."
 
 
 def _millions(n: int) -> str:
@@ -126,7 +137,7 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
                f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
                f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
-            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{frozen_note(model)} "
+            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)}{frozen_note(model)} "
             f"{data}. {steps}. {outputs}.{auto_tracking_note(cfg)}")
 
 

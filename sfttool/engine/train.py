@@ -104,7 +104,7 @@ def run(cfg: Any, spec: RunSpec) -> None:
         preflight.check_template(cfg, spec.strict)  # seconds, before the data is processed
         dataset = build_dataset_rank0_first(cfg.train_dataloader.dataset)
         validation = validation_runner_args(cfg, spec)  # val_dataloader/val_cfg/val_evaluator, or {}
-        model = build(preflight.model_cfg_in(cfg.model, spec.precision), "model")
+        model = build(preflight.model_cfg_in(cfg.model, spec.precision, spec.router_aux_loss_coef), "model")
         if spec.precision_note:
             preflight.warn(spec.precision_note)
         checks.check_built_model(model, spec.sequence_parallel_size)  # the attention heads: now they exist

@@ -84,3 +84,15 @@ def token_weights(position_ids: torch.Tensor, keep: torch.Tensor, reduction: str
         return None
     _, dense, counts = sample_ids(position_ids)[keep].unique(return_inverse=True, return_counts=True)
     return 1.0 / counts[dense].float()  # [n]
+
+
+def trained_sample_tokens(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] 1.0 on every token of a sample that trains at least one token, 0.0 elsewhere
+    (padding, which is its own untrained pseudo-sample).
+
+    >>> trained_sample_tokens(torch.tensor([[-100, 5, -100, -100]]), torch.tensor([[0, 1, 0, 1]]))
+    tensor([[1., 1., 0., 0.]])
+    """
+    samples = sample_ids(position_ids)  # [batch, seq], ids unique over the batch
+    trained = samples[labels != IGNORE_INDEX].unique()
+    return torch.isin(samples, trained).float()

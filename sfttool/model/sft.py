@@ -25,6 +25,7 @@ from mmengine.model import BaseModel
 
 from sfttool import compat
 from sfttool.model import loss as L
+from sfttool.model import moe
 from sfttool.model.build import build_llm, resize_embeddings
 from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cross_entropy,
                                         chunked_linear_cross_entropy, chunked_token_log_probs)
@@ -62,6 +63,11 @@ class SupervisedFinetune(BaseModel):
             positions' logits at once), or a fused GPU kernel: 'liger' or
             'cut_cross_entropy' (pip extras ``liger`` / ``cce``).
         loss_chunk_size: trained positions per chunk of the loss.
+        lora_targets: where LoRA goes when ``lora`` names no targets: 'all', 'attention' or
+            'experts' (mixture-of-experts models; see ``sfttool.model.lora``).
+        router_aux_loss_coef: the weight of the router's load-balancing loss in the training loss
+            (mixture-of-experts models that define one); None: the model's own
+            ``config.router_aux_loss_coef``; 0: left out. See docs/moe.md.
         freeze_vision_tower: a vision-language checkpoint's vision tower and projector stay frozen
             (``sfttool.model.vision``); False trains them too (full fine-tuning only).
     """
@@ -73,7 +79,7 @@ class SupervisedFinetune(BaseModel):
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
                  loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
-                 freeze_vision_tower=True, data_preprocessor=None):
+                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
         check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
@@ -87,19 +93,23 @@ class SupervisedFinetune(BaseModel):
         compat.disable_bnb_cpu_weight_repacking(llm)
         self.lora = build_lora_config(lora) if lora is not None else None
         self.use_lora = self.lora is not None
+        if not self.use_lora and lora_targets != "all":
+            raise ConfigBuildError(f"model.lora_targets={lora_targets!r} chooses where LoRA goes, but model.lora is "
+                                   "None (full fine-tuning trains everything): set model.lora or remove lora_targets")
         if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
             raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
                                    "train the vision tower with full fine-tuning (lora=None) or keep it frozen")
         self.frozen_vision_parameters = freeze_vision(llm, freeze_vision_tower)
         self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
         self.llm = llm
+        self.router_aux_loss_coef = moe.aux_loss_coefficient(llm, router_aux_loss_coef)
         # Flash-attention derives varlen boundaries from position_ids only for a
         # single row (transformers 5): give it the batch as one row.
         self.flatten_batch = "flash" in str(getattr(llm.config, "_attn_implementation", ""))
         if use_activation_checkpointing:
             self.gradient_checkpointing_enable()
         if self.use_lora:
-            self.llm = apply_lora(llm, self.lora, use_activation_checkpointing)
+            self.llm = apply_lora(llm, self.lora, use_activation_checkpointing, lora_targets)
         if peft_model is not None:
             self.load_peft_model(peft_model)
         parts, why = split_lm(self.llm)
@@ -298,13 +308,22 @@ class SupervisedFinetune(BaseModel):
         if split is not None:
             return self._sequence_parallel_loss(data, targets, keep, position_ids, split)
         parts = self._lm_parts()
-        if parts is None:
-            total = self._unchunked_loss(data, targets, keep, position_ids)
-        else:
-            hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
-            weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
-            total = self._head_loss(parts, hidden, targets[keep], weights)
-        return {"loss": self.normalize(total, data), **step_metrics(loss=(total, self._loss_units(keep, position_ids)))}
+        with moe.recorded_router_logits(self.llm, enabled=bool(self.router_aux_loss_coef)) as router_logits:
+            if parts is None:
+                total = self._unchunked_loss(data, targets, keep, position_ids)
+            else:
+                hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
+                weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
+                total = self._head_loss(parts, hidden, targets[keep], weights)
+        units = self._loss_units(keep, position_ids)
+        if not router_logits:
+            return {"loss": self.normalize(total, data), **step_metrics(loss=(total, units))}
+        # The forward's load-balancing loss counts once per loss unit, like each unit's LM loss: the
+        # step's objective is its units' mean of (LM loss + coef * aux loss of their forward).
+        aux = moe.load_balancing_loss(self.llm, router_logits, L.trained_sample_tokens(data["labels"], position_ids))
+        objective = total + self.router_aux_loss_coef * aux * units
+        return {"loss": self.normalize(objective, data),
+                **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's

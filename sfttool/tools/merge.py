@@ -175,8 +175,17 @@ def load_merged(base: str | os.PathLike, adapter: str | os.PathLike, device: str
             model_class = language_model_class(base)  # a vision-language checkpoint keeps its vision tower
         model = model_class.from_pretrained(base, dtype=dtype, device_map=device_map_for(device), **extra)
     fit_embeddings_to_adapter(model, tokenizer or adapter_tokenizer(adapter))
-    model = PeftModel.from_pretrained(model, str(adapter))
+    with _targets_as_saved(adapter):
+        model = PeftModel.from_pretrained(model, str(adapter))
     return model.merge_and_unload()
+
+
+def _targets_as_saved(adapter: str | os.PathLike):
+    """An adapter with fused-expert targets (``target_parameters``) was trained on a transformers 5
+    model: its targets load as saved (``compat.peft_targets_as_given``); others keep peft's renaming of
+    transformers 4 MoE targets."""
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    return compat.peft_targets_as_given() if config.get("target_parameters") else contextlib.nullcontext()
 
 
 def adapter_tokenizer(adapter: str | os.PathLike, **kwargs):

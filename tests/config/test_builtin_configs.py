@@ -37,7 +37,10 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  "qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3",
                  # online RL from rewards (docs/rl.md)
                  "demo_smollm2_135m_lora_grpo_addition_e1", "qwen2_5_7b_instruct_lora_grpo_gsm8k_e1",
-                 "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1", "qwen3_8b_lora_grpo_math_e1"}
+                 "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1", "qwen3_8b_lora_grpo_math_e1",
+                 # mixture-of-experts models (docs/moe.md)
+                 "qwen3_30b_a3b_moe_lora_alpaca_e3", "qwen3_30b_a3b_moe_qlora_alpaca_e3",
+                 "mixtral_8x7b_instruct_v0_1_moe_lora_alpaca_e3"}
 FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
     "qwen2_5_0_5b_instruct": ("qwen_chat", False),
     "qwen2_5_1_5b_instruct": ("qwen_chat", False),

@@ -21,6 +21,7 @@ OVERRIDDEN = {
     "export_best": ("export_best=True", lambda spec: spec.export_best),
     "experiment_name": ("experiment_name='mine'", lambda spec: spec.name.startswith("mine")),
     "work_dir": ("work_dir='/tmp/sfttool-spec-test'", lambda spec: str(spec.work_dir) == "/tmp/sfttool-spec-test"),
+    "router_aux_loss_coef": ("router_aux_loss_coef=0.01", lambda spec: spec.router_aux_loss_coef == 0.01),
 }
 
 PART_1 = "\n".join(f"{name} = None" for name in SETTINGS)
