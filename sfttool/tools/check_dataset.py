@@ -34,7 +34,7 @@ from sfttool.dataset.resolve import resolve_map_fn, skip_bad_rows_in, source_nam
 from sfttool.dataset.source_stages import KEEP_COLUMN, filter_batch, load_source, source_label, sources_problems
 from sfttool.dataset.stages import SafeMapFn, map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
-from sfttool.registry import build_if_config, resolve_type
+from sfttool.registry import build_if_config, resolve_type, type_name
 from sfttool.tools.check_preference import check_preference, is_preference_node
 from sfttool.tools.check_prompts import check_prompts, is_prompt_node
 from sfttool.tools.check_source import load_every_row, load_trained_part
@@ -203,8 +203,8 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
                   color: bool = False, skip_bad_rows: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
-    A ``mix_datasets`` node is checked dataset by dataset, a ``process_data_sources`` node source by source. ``skip_bad_rows``: as ``sfttool train
-    --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
+    A ``mix_datasets`` node is checked dataset by dataset, a ``process_data_sources`` node source by
+    source. ``skip_bad_rows``: as ``sfttool train --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
     """
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
@@ -233,9 +233,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
 
 def _plain(node: Any, key: str) -> dict:
     if not isinstance(node, dict) or "type" not in node or not is_process_hf_dataset(node):
-        kind = node.get("type") if isinstance(node, dict) else type(node).__name__
-        raise DatasetError(f"{key} is {kind!r}; check-custom-dataset checks process_hf_dataset datasets "
-                           "(alone or inside mix_datasets)")
+        kind = type_name(node.get("type")) if isinstance(node, dict) else type(node).__name__
+        raise DatasetError(f"{key} is {kind}; check-custom-dataset checks process_hf_dataset (alone or inside "
+                           "mix_datasets), process_data_sources, StreamingDataSources, build_preference_dataset and "
+                           "build_prompt_dataset datasets, not this one yet")
     return dict(node.items())
 
 

@@ -342,3 +342,17 @@ def test_streamed_data_sources_are_checked_eagerly(tmp_path, tiny_tokenizer_dir)
     code, out = check(cfg)
     assert code == 0, out
     assert "data_sources[1] (alpaca): 3 rows read, 2 after map/filter, 2 samples, 2 used, " in out
+
+
+def test_a_dataset_builder_it_cannot_check_is_named_with_those_it_can(tmp_path):
+    from sfttool.dataset.errors import DatasetError
+    from sfttool.tools.check_dataset import check_dataset
+    path = tmp_path / "kto.py"
+    path.write_text("from sfttool.dataset.kto import build_kto_dataset\n"
+                    "train_dataloader = dict(batch_size=1, dataset=dict(type=build_kto_dataset, dataset=None))\n")
+    with pytest.raises(DatasetError, match=r"train_dataloader.dataset is build_kto_dataset; "
+                                           r"check-custom-dataset checks process_hf_dataset \(alone or inside "
+                                           r"mix_datasets\), process_data_sources, StreamingDataSources, "
+                                           r"build_preference_dataset and build_prompt_dataset datasets, not this "
+                                           r"one yet"):
+        check_dataset(str(path), echo=lambda line: None)
