@@ -215,7 +215,7 @@ def test_a_misspelt_collate_fn_or_system_template_lists_the_names_there_are(tmp_
     assert load_error(path, "from sfttool.dataset.collate_fns import default_colate_fn\n"
                             "train_dataloader = dict(collate_fn=dict(type=default_colate_fn))\n") == (
         f"{path}, line 1: sfttool.dataset.collate_fns has no 'default_colate_fn'; valid names: default_collate_fn, "
-        "prompt_collate_fn, preference_collate_fn, cumulative_lengths")
+        "kto_collate_fn, prompt_collate_fn, cumulative_lengths, preference_collate_fn")
     message = load_error(path, "from sfttool.utils import SYSTEM_TEMPLATE\nsystem = 1\n\n"
                                "SYSTEM = SYSTEM_TEMPLATE.alpacca\n")
     assert message.startswith(f"{path}, line 4: sfttool.utils.SYSTEM_TEMPLATE has no 'alpacca'; valid names: alpaca, ")

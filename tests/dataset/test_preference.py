@@ -258,7 +258,8 @@ def test_a_preference_config_reads_data_path_like_an_sft_one(tmp_path):
     path = assets.write_jsonl(tmp_path / "pairs" / "part1.jsonl", [PAIR, PAIR])
     for data_path in (path, path.parent, tmp_path / "pairs" / "*.jsonl"):
         cfg = load_config("qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", [f"data_path={data_path}"])
-        rows = build_node(cfg.train_dataloader.dataset.dataset, "train_dataloader.dataset.dataset")
+        source = cfg.train_dataloader.dataset.dataset.dataset  # under the validation split, which holds out pairs
+        rows = build_node(source, "train_dataloader.dataset.dataset.dataset")
         assert rows["train"].column_names == ["prompt", "chosen", "rejected"] and len(rows["train"]) == 2
 
 
@@ -272,7 +273,10 @@ def test_a_preference_config_trains_on_your_pairs_from_the_command_line(tmp_path
         f"pretrained_model_name_or_path={tiny_tokenizer_dir}", "max_length=64", "max_packed_length=128"])
     assert cfg.train_dataset.dataset_map_fn is None and cfg.train_dataset.split == "train"
     ds = build_node(cfg.train_dataloader.dataset, "train_dataloader.dataset")
-    assert sum(len(r["sample_lengths"]) for r in ds) == 6  # 3 pairs, two sequences each
+    held_out = build_node(cfg.val_dataloader.dataset, "val_dataloader.dataset")
+    # 3 pairs, two sequences each: val_ratio = 0.01 holds out one pair (at least one), the other two train
+    assert sum(len(r["sample_lengths"]) for r in ds) == 4
+    assert sum(len(r["sample_lengths"]) for r in held_out) == 2
 
 
 @pytest.mark.parametrize("row,message", [
