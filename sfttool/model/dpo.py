@@ -57,6 +57,7 @@ class DPO(PairwiseModel):
     """
 
     build_args_lazily = ("llm", "ref_llm")
+    unsaved_modules = ("ref_llm",)  # the frozen reference is rebuilt from its source at start
 
     def __init__(self, llm, ref_llm=None, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5,
                  precompute_ref_log_probs=False, reference="initial_adapter", **sft_args):
@@ -182,13 +183,3 @@ class DPO(PairwiseModel):
     def compute_loss(self, data: dict) -> dict:
         losses, chosen, rejected = self.pair_values(data)
         return {"loss": self.normalize(losses.sum(), data), **self.pair_step_metrics(losses, chosen, rejected)}
-
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """SFT's state dict without the frozen reference (rebuilt from its source at start)."""
-        state = super().state_dict(prefix=prefix, keep_vars=keep_vars)
-        for key in [k for k in state if k.startswith(prefix + "ref_llm.")]:
-            del state[key]
-        if destination is not None:
-            destination.update(state)
-            return destination
-        return state

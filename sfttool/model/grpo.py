@@ -67,6 +67,7 @@ class GRPO(SupervisedFinetune):
     """
 
     build_args_lazily = ("llm", "ref_llm")
+    unsaved_modules = ("ref_llm",)  # the frozen reference is rebuilt from its source at start
 
     def __init__(self, llm, reward_funcs, tokenizer, reward_weights=None, num_generations=8, max_completion_length=256,
                  temperature=1.0, top_p=1.0, rollout_engine="hf", beta=0.0, epsilon=0.2, epsilon_high=None,
@@ -207,16 +208,6 @@ class GRPO(SupervisedFinetune):
         out = {"loss": self.normalize(total, data), **step_metrics(loss=(total, self.count_loss_units(data)))}
         out.update({STATS_PREFIX + name: value.detach().double() for name, value in stats.items()})
         return out
-
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """SFT's state dict without the frozen reference (rebuilt from its source at start)."""
-        state = super().state_dict(prefix=prefix, keep_vars=keep_vars)
-        for key in [k for k in state if k.startswith(prefix + "ref_llm.")]:
-            del state[key]
-        if destination is not None:
-            destination.update(state)
-            return destination
-        return state
 
 
 def completion_positions(data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

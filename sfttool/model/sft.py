@@ -386,13 +386,20 @@ class SupervisedFinetune(BaseModel):
 
     # -- checkpoints ------------------------------------------------------
 
+    # Submodules a subclass rebuilds from their source at start and never saves (a frozen reference model).
+    unsaved_modules: tuple[str, ...] = ()
+
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """Full fine-tune: the LLM's weights. LoRA: only the trainable
-        (adapter) weights, under the keys ``load_state_dict`` expects back."""
+        (adapter) weights, under the keys ``load_state_dict`` expects back.
+        Neither holds the ``unsaved_modules``."""
         state = super().state_dict(prefix=prefix, keep_vars=keep_vars)
         if self.use_lora:
             trained = {prefix + name for name, p in self.named_parameters() if p.requires_grad}
             state = OrderedDict((k, v) for k, v in state.items() if k in trained)
+        unsaved = tuple(f"{prefix}{name}." for name in self.unsaved_modules)
+        if unsaved:
+            state = OrderedDict((k, v) for k, v in state.items() if not k.startswith(unsaved))
         if destination is not None:
             destination.update(state)
             return destination
