@@ -23,7 +23,8 @@ from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows
 from sfttool.dataset.preference_encode import encode_conversations, pair_conversations, prompt_length
 from sfttool.dataset.report import PipelineReport
-from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,
+                                     source_name)
 from sfttool.registry import build_if_config
 
 KTO_FIELDS = ("prompt", "completion", "label")
@@ -80,14 +81,10 @@ def build_kto_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=N
     >>> ds[0]['kto_label'], ds[0]['prompt_length']                  # doctest: +SKIP
     (1, 41)
     """
-    from sfttool.dataset.resolve import template_of
-    from sfttool.utils.templates import PROMPT_TEMPLATE
-
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
         raise DatasetError(f"max_length must be a positive integer, got {max_length!r}")
     source = source or source_name(dataset_config(dataset))
-    template = template_of({"template": prompt_template}) if prompt_template is not None \
-        else PROMPT_TEMPLATE.hf_chat_template
+    template = prompt_template_or_chat_template(prompt_template)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     rows = number_rows(resolve_dataset(dataset_config(dataset), split))
     rows_in = len(rows)

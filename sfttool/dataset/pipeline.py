@@ -24,7 +24,7 @@ import numpy as np
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
 from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
-                                   log_report)
+                                   log_report, stage_recorder)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
@@ -312,7 +312,7 @@ def sample_table(dataset, tokenizer, max_length: int, report: PipelineReport, da
     template = template_of(template_map_fn)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
-    stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
+    stage = stage_recorder(report, keep_stages)
     num_proc = default_num_proc(len(dataset), map_num_proc)
     # datasets 5 starts a process pool for num_proc=1 too, pickling the tokenizer to send it there.
     num_proc = num_proc if num_proc > 1 else None

@@ -29,8 +29,9 @@ import numpy as np
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
 from sfttool.dataset.pipeline import apply_map_fn, content_fingerprint, default_num_proc, log, number_rows, select_rows
 from sfttool.dataset.preference_encode import COLUMNS, encode_pair_batch
-from sfttool.dataset.report import PipelineReport, change_lines
-from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.report import PipelineReport, change_lines, stage_recorder
+from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,
+                                     source_name)
 from sfttool.dataset.stages import to_table
 from sfttool.registry import build_if_config
 
@@ -138,15 +139,12 @@ def run_preference_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=
     with that token (reward-model data).
     """
     from datasets import Dataset
-    from sfttool.dataset.resolve import template_of
-    from sfttool.utils.templates import PROMPT_TEMPLATE
     source = source or source_name(dataset)
-    template = template_of({"template": prompt_template}) if prompt_template is not None \
-        else PROMPT_TEMPLATE.hf_chat_template
+    template = prompt_template_or_chat_template(prompt_template)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     dataset = number_rows(resolve_dataset(dataset, split))
     report = PreferenceReport(rows_in=len(dataset))
-    stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
+    stage = stage_recorder(report, keep_stages)
     stage("loaded", dataset)
     num_proc = default_num_proc(len(dataset), map_num_proc)
     dataset = select_rows(dataset, max_dataset_length, seed, report)

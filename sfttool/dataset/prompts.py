@@ -28,10 +28,11 @@ from sfttool.dataset.chat_targets import render, template_kwargs
 from sfttool.dataset.encode import batch_token_ids, chat_renderer, encode_prompt
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, examples, where
 from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows, select_rows
-from sfttool.dataset.report import PipelineReport, change_lines
-from sfttool.dataset.resolve import dataset_config, resolve_dataset, resolve_map_fn, source_name, template_of
+from sfttool.dataset.report import PipelineReport, change_lines, stage_recorder
+from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,
+                                     source_name)
 from sfttool.registry import build_if_config, type_name
-from sfttool.utils.templates import PROMPT_TEMPLATE, chat_template_options, is_hf_chat_template
+from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 PROMPT_OVERFLOW = ("error", "truncate", "drop")
 DROP_TOO_LONG = "prompt longer than max_prompt_length"
@@ -176,12 +177,11 @@ def run_prompt_pipeline(dataset, tokenizer, max_prompt_length: int, dataset_map_
     if prompt_overflow not in PROMPT_OVERFLOW:
         raise DatasetError(f"prompt_overflow must be one of {', '.join(PROMPT_OVERFLOW)}, got {prompt_overflow!r}")
     source = source or source_name(dataset)
-    template = template_of({"template": prompt_template}) if prompt_template is not None \
-        else PROMPT_TEMPLATE.hf_chat_template
+    template = prompt_template_or_chat_template(prompt_template)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     dataset = number_rows(resolve_dataset(dataset, split))
     report = PromptReport(rows_in=len(dataset))
-    stage = (lambda name, ds: report.stages.__setitem__(name, ds)) if keep_stages else (lambda name, ds: None)
+    stage = stage_recorder(report, keep_stages)
     stage("loaded", dataset)
     num_proc = default_num_proc(len(dataset), num_proc)
     dataset = select_rows(dataset, max_dataset_length, seed, PipelineReport())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sfttool.dataset.errors import EXAMPLES, examples
 
@@ -151,3 +151,9 @@ def log_report(report: PipelineReport, max_length: int) -> None:
             f"packing efficiency {100 * pack.efficiency:.1f}%, {pack.split_samples} samples split")
         if pack.rows_without_labels:
             log(f"Dataset: {pack.rows_without_labels} packed rows have no trained token", logging.WARNING)
+
+
+def stage_recorder(report: Any, keep_stages: bool) -> Callable[[str, Any], None]:
+    """``stage(name, dataset)``: with ``keep_stages`` (check-custom-dataset) each stage's dataset is kept in
+    ``report.stages`` under its name; otherwise nothing is kept."""
+    return report.stages.__setitem__ if keep_stages else (lambda name, dataset: None)

@@ -135,6 +135,14 @@ def template_of(template_map_fn: Any) -> Any:
     return template
 
 
+def prompt_template_or_chat_template(prompt_template: Any) -> Any:
+    """A ``prompt_template`` (a ``PROMPT_TEMPLATE`` entry or its name), or, for None, the tokenizer's own chat
+    template (``PROMPT_TEMPLATE.hf_chat_template``): the default of preference, prompt and KTO data."""
+    from sfttool.utils.templates import PROMPT_TEMPLATE
+    return template_of({"template": prompt_template}) if prompt_template is not None \
+        else PROMPT_TEMPLATE.hf_chat_template
+
+
 def resolve_template_map_fn(template_map_fn: Any) -> Callable | None:
     if template_map_fn is None or callable(template_map_fn):
         return template_map_fn
