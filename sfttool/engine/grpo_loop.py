@@ -33,7 +33,7 @@ from mmengine.logging import print_log
 
 from sfttool.config import ConfigError
 from sfttool.engine.rollouts import Round, RoundSpec, build_round, format_group, write_groups
-from sfttool.engine.runner import TrainLoop, _ResumableBatches, planned_end, unwrap_model
+from sfttool.engine.runner import TrainLoop, _ResumableBatches, unwrap_model
 from sfttool.engine.spec import accumulative_counts
 from sfttool.engine.tracking import add_text
 from sfttool.model.grpo import STATS_PREFIX
@@ -249,20 +249,16 @@ class GRPOLoop(TrainLoop):
         self._set_loss_normalizer([batch], 1)
         return batch
 
-    def run_iter(self, data_batch: dict) -> None:
-        """TrainLoop's iteration, with the round's metrics (``StepMetrics``) beside the step's loss at the end
-        of each optimizer step."""
-        self.runner.call_hook("before_train_iter", batch_idx=self._iter, data_batch=data_batch)
-        outputs = self.runner.model.train_step(data_batch, optim_wrapper=self.runner.optim_wrapper)
+    def add_to_step(self, data_batch: dict, outputs: dict) -> None:
+        """TrainLoop's, and the round's figures (``StepMetrics``) of the micro-batch."""
         stats = {key[len(STATS_PREFIX):]: float(outputs.pop(key)) for key in list(outputs)
                  if key.startswith(STATS_PREFIX)}
         self.metrics.add(data_batch["data"], stats)
-        self._step_metrics.add(outputs)
-        shown = {}
-        if not self._pending or self.dry_run or self._iter + 1 >= planned_end(self.runner):
-            shown = {**self._step_metrics.reduce(), **self.metrics.finish()}
-        self.runner.call_hook("after_train_iter", batch_idx=self._iter, data_batch=data_batch, outputs=shown)
-        self._iter += 1
+        super().add_to_step(data_batch, outputs)
+
+    def step_values(self) -> dict:
+        """The step's loss as every run's, with the round's figures beside it."""
+        return {**super().step_values(), **self.metrics.finish()}
 
 
 def _zero3(wrapped: Any) -> bool:

@@ -276,11 +276,19 @@ class TrainLoop(IterBasedTrainLoop):
         """mmengine's iteration, with what it shows summed up per optimizer step (module docstring)."""
         self.runner.call_hook("before_train_iter", batch_idx=self._iter, data_batch=data_batch)
         outputs = self.runner.model.train_step(data_batch, optim_wrapper=self.runner.optim_wrapper)
-        self._step_metrics.add(outputs)
+        self.add_to_step(data_batch, outputs)
         step_ends = not self._pending or self._iter + 1 >= planned_end(self.runner)
-        shown = self._step_metrics.reduce() if step_ends else {}
+        shown = self.step_values() if step_ends else {}
         self.runner.call_hook("after_train_iter", batch_idx=self._iter, data_batch=data_batch, outputs=shown)
         self._iter += 1
+
+    def add_to_step(self, data_batch: dict, outputs: dict) -> None:
+        """One micro-batch's outputs into the current optimizer step's sums and counts."""
+        self._step_metrics.add(outputs)
+
+    def step_values(self) -> dict:
+        """The ended optimizer step's values, reduced over its micro-batches and the processes."""
+        return self._step_metrics.reduce()
 
     def _batches(self) -> Iterator:
         """The micro-batches from iteration ``self._iter`` on (a loop over generated data gives its own)."""
