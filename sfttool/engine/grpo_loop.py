@@ -31,6 +31,7 @@ import torch
 from mmengine.dist import all_gather_object, all_reduce, get_rank, is_main_process
 from mmengine.logging import print_log
 
+from sfttool import compat
 from sfttool.config import ConfigError
 from sfttool.engine.rollouts import Round, RoundSpec, build_round, format_group, write_groups
 from sfttool.engine.runner import TrainLoop, _ResumableBatches, unwrap_model
@@ -234,8 +235,11 @@ class GRPOLoop(TrainLoop):
         names = [r.name for r in self.model.rewards]
         groups = round_.groups[:self.num_logged_prompts]
         text = "\n\n".join(format_group(g, names) for g in groups)
-        print_log(f"Completions sampled for optimizer step {step + 1} (rewards: {', '.join(names)}):\n{text}",
-                  logger="current")
+        message = f"Completions sampled for optimizer step {step + 1} (rewards: {', '.join(names)}):\n{text}"
+        if self.dry_run:  # what a dry run is for: shown on the quiet terminal too
+            compat.inform(message)
+        else:
+            print_log(message, logger="current")
         if not self.dry_run:
             write_groups(self.runner.work_dir, step + 1, groups)
             add_text(getattr(self.runner, "visualizer", None), "completions", text, step + 1)

@@ -51,6 +51,9 @@ from sfttool.engine.checkpoint import restore_rng_state
 from sfttool.model.step_metrics import StepAccumulator
 from sfttool.registry import BUILDER
 
+# The message hub's info key that marks a --dry-run's runner (its work dir is a scratch folder, removed after).
+DRY_RUN_INFO = "sfttool_dry_run"
+
 
 def deepspeed_engine(model: Any) -> Any:
     """The ``DeepSpeedEngine`` inside mmengine's DeepSpeed wrapper; None for any other model."""

@@ -35,6 +35,7 @@ from sfttool.engine.export import save_hf
 from sfttool.engine.hooks.preemption_hook import TrainingPreempted, signal_handlers_restored
 from sfttool.engine.processes import (build_dataset_rank0_first, close_process_group, init_distributed,
                                       one_process_rank_env, world_size_from_env)
+from sfttool.engine.runner import DRY_RUN_INFO
 from sfttool.engine.spec import RunSpec, TrainOptions, build_spec
 from sfttool.engine.summary import announce_summary
 from sfttool.engine.validation import restore_best_weights, validation_runner_args
@@ -117,6 +118,7 @@ def run(cfg: Any, spec: RunSpec) -> None:
             dataset = _prepared(prepare_data, dataset, validation, cfg.get("optim_wrapper"))
     with _scratch_work_dir(spec) as runner_spec:
         runner = build_runner(cfg, runner_spec, model, dataset, validation)
+        runner.message_hub.update_info(DRY_RUN_INFO, spec.dry_run)
         replay_setup_log(runner, records)
         announce_summary(runner, cfg, model, dataset, spec)
         with signal_handlers_restored():  # the PreemptionHook's SIGTERM/SIGINT handlers end with the run

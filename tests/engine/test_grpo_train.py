@@ -138,7 +138,7 @@ def test_dry_run_generates_scores_and_shows_one_group(grpo_config, tmp_path, cap
     from sfttool.engine.train import train
 
     work = tmp_path / "work"
-    train(str(grpo_config()), work_dir=str(work), dry_run=True, verbose=True)
+    train(str(grpo_config()), work_dir=str(work), dry_run=True)  # shown on the quiet terminal, without --verbose
     out = capsys.readouterr()
     text = out.out + out.err
     shown = text.split("Completions sampled for optimizer step 1 (rewards: letter_e, accuracy):")[1]

@@ -195,6 +195,14 @@ def test_the_terminal_shows_the_answers_before_and_after_training_and_where_they
 
     long = answers_text([], [{"iter": 3, "input": "Q", "output": "word " * 60}], "w")
     assert long.splitlines()[-1] == "    iter 3: " + ("word " * 40).rstrip() + " [...]"  # 200 characters shown
+    # A dry run's work dir is a scratch folder, removed when it ends: the terminal points nowhere
+    from sfttool.engine.runner import DRY_RUN_INFO
+    runner.message_hub.update_info(DRY_RUN_INFO, True)
+    try:
+        hook.after_train(runner)
+    finally:
+        runner.message_hub.update_info(DRY_RUN_INFO, False)
+    assert capsys.readouterr().out.splitlines()[0] == "Sample answers (a dry run keeps no files):"
 
 
 # -- ThroughputHook: parameters counted, values logged -----------------------------

@@ -26,6 +26,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
 from sfttool import compat
+from sfttool.engine.runner import DRY_RUN_INFO, unwrap_model
 from sfttool.registry import BUILDER, build_if_config
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
@@ -79,7 +80,8 @@ class EvaluateChatHook(Hook):
     def after_train(self, runner) -> None:
         last = self._last if self._generated_at == runner.iter else self._generate(runner, runner.iter)
         if is_main_process():
-            text = answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs"))
+            kept = not runner.message_hub.get_info(DRY_RUN_INFO, False)  # a dry run's work dir is removed
+            text = answers_text(self._first, last, os.path.join(runner.work_dir, "eval_outputs") if kept else None)
             runner.logger.info(text)
             if not compat.console_is_verbose():  # the quiet terminal shows no INFO line: print it plainly
                 print(text, flush=True)
@@ -95,8 +97,6 @@ class EvaluateChatHook(Hook):
         return encode_prompt([turn], self.tokenizer, self.prompt_template)
 
     def _generate(self, runner, iteration: int) -> list[dict]:
-        from sfttool.engine.runner import unwrap_model
-
         model = unwrap_model(runner.model)
         self.stop_words = stop_words_for(self.prompt_template, self.tokenizer, getattr(model, "llm", None),
                                          self._extra_stop_words)
@@ -141,9 +141,10 @@ class EvaluateChatHook(Hook):
 SHOWN_CHARACTERS = 200  # of each answer on the terminal; the files hold all of it
 
 
-def answers_text(first: list[dict], last: list[dict], folder: str) -> str:
+def answers_text(first: list[dict], last: list[dict], folder: str | None) -> str:
     """What the terminal shows at the end: each input, its answer before and after training
-    (whitespace collapsed, at most ``SHOWN_CHARACTERS``), and where all of them are.
+    (whitespace collapsed, at most ``SHOWN_CHARACTERS``), and where all of them are (None: nowhere, a
+    dry run keeps no files).
 
     >>> print(answers_text([{"iter": 0, "input": "Hi?", "output": "Hello."}],
     ...                    [{"iter": 8, "input": "Hi?", "output": "Hi there!\\n"}], "w/eval_outputs"))
@@ -152,7 +153,7 @@ def answers_text(first: list[dict], last: list[dict], folder: str) -> str:
         iter 0: Hello.
         iter 8: Hi there!
     """
-    lines = [f"Sample answers (all of them in {folder}/):"]
+    lines = [f"Sample answers (all of them in {folder}/):" if folder else "Sample answers (a dry run keeps no files):"]
     for index, record in enumerate(last):
         lines.append(f"  {_shown(record['input'])}")
         before = first[index] if index < len(first) and first[index]["iter"] != record["iter"] else None
