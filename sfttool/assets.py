@@ -305,7 +305,8 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     """Save a random-initialised tiny vision-language checkpoint (an image-text-to-text class, loaded by
     ``AutoModelForImageTextToText``) with the tokenizer beside it: ``qwen2_5_vl`` (multimodal rotary
     positions), ``gemma3`` or ``llava`` (a Llama language model and a CLIP vision tower). Its vocabulary is
-    the tokenizer's plus the image tokens at the end."""
+    the tokenizer's plus the image tokens at the end. ``qwen2_5_vl`` and ``llava`` come with their processor
+    (``AutoProcessor.from_pretrained(save_dir)``), whose chat template the tokenizer shares."""
     import torch
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig,
                               LlavaForConditionalGeneration, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
@@ -346,5 +347,83 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     model = cls(config)
     save_dir = Path(save_dir)
     model.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
+    if arch in VLM_PROCESSORS:
+        # the image tokens join the vocabulary at the ids the config gives them (n, n + 1, ...)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VLM_PROCESSORS[arch]["tokens"])},
+                                     replace_extra_special_tokens=False)
+        # one chat template for both, as the released checkpoints have (they share chat_template.jinja)
+        tokenizer.chat_template = VLM_PROCESSORS[arch]["chat_template"]
+        _tiny_processor(arch, tokenizer).save_pretrained(save_dir)  # the tokenizer with it
+    else:
+        tokenizer.save_pretrained(save_dir)
     return save_dir
+
+
+# The official chat templates' structure, shortened: Qwen2.5-VL's ChatML with content parts (an image
+# becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to one pad per merged
+# patch), and llava-1.5-hf's "USER: <image>\n... ASSISTANT: ..." (images first in each turn).
+QWEN2_5_VL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ (message['content'] if message['content'] is string else message['content'][0]['text']) + ' ' }}"
+    "{% else %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endif %}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+VLM_PROCESSORS = {
+    "qwen2_5_vl": dict(tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+                       chat_template=QWEN2_5_VL_TEMPLATE),
+    "llava": dict(tokens=("<image>",), chat_template=LLAVA_TEMPLATE),
+}
+
+
+def _tiny_processor(arch: str, tokenizer):
+    """The processor of a tiny checkpoint: Qwen2-VL's dynamic resolution (14-pixel patches, 2 x 2 merged
+    into one token, between 28 x 28 and 112 x 112 pixels: 1 to 16 tokens per image) or LLaVA's fixed
+    28 x 28 crop (4 tokens per image: CLIP's class token is not one of them)."""
+    from sfttool.compat import processors_without_torchvision
+
+    processors_without_torchvision()
+    chat_template = VLM_PROCESSORS[arch]["chat_template"]
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
+                                                   patch_size=14, temporal_patch_size=2, merge_size=2)
+        return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                   video_processor=None, chat_template=chat_template)
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=chat_template)
+
+
+def write_png(path: str | os.PathLike, width: int, height: int, seed: int = 0) -> Path:
+    """A small random RGB PNG (a test image)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels, "RGB").save(path)
+    return path

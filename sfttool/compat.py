@@ -591,9 +591,68 @@ def _patch_mmlogger() -> None:
     MMLogger.__init__ = __init__
 
 
+class _NoVideoProcessor(dict):
+    """A processor's video processor without torchvision: nothing to run, saved as ``{}`` in
+    ``processor_config.json`` (a dict, so transformers serialises and deep-copies it as it is)."""
+
+    _auto_class = None
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "_NoVideoProcessor":
+        return cls()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("videos need torchvision, which is not installed")
+
+
+def processors_without_torchvision() -> None:
+    """Let image-text processors (Qwen2-VL's, Qwen2.5-VL's, ...) be built and loaded without torchvision.
+
+    transformers 5 gives such a processor a video processor, whose classes need torchvision; without it,
+    building the processor fails inside transformers (``VIDEO_PROCESSOR_MAPPING`` has no
+    ``_extra_content``), images or not. Training on images needs only the image processor (its PIL
+    backend), and PyPI's torchvision does not install beside every torch build, so without torchvision
+    the video processor is an empty stand-in: videos are refused, images work as with torchvision."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None or not _once("processors_without_torchvision"):
+        return
+    from transformers import processing_utils
+
+    mixin = processing_utils.ProcessorMixin
+    init, check = mixin.__init__, mixin.check_argument_for_proper_class
+
+    def __init__(self, *args, **kwargs):
+        names = type(self).get_attributes()
+        args = [_NoVideoProcessor() if value is None and _is_video(name) else value for name, value in zip(names, args)
+                ] + list(args[len(names):])
+        kwargs = {name: _NoVideoProcessor() if value is None and _is_video(name) else value
+                  for name, value in kwargs.items()}
+        init(self, *args, **kwargs)
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if isinstance(argument, _NoVideoProcessor):
+            return _NoVideoProcessor
+        return check(self, argument_name, argument)
+
+    def _is_video(name: str) -> bool:
+        return processing_utils._get_modality_for_attribute(name) == "video_processor"
+
+    mixin.__init__, mixin.check_argument_for_proper_class = __init__, check_argument_for_proper_class
+    mapping = processing_utils.MODALITY_TO_AUTOPROCESSOR_MAPPING
+    get = type(mapping).__getitem__
+
+    class _Mapping(type(mapping)):
+        def __getitem__(self, key):
+            return _NoVideoProcessor if key == "video_processor" else get(self, key)
+
+    mapping.__class__ = _Mapping
+
+
 def apply_all() -> None:
     """Apply every patch sfttool needs (config loading and training)."""
     patch_mmengine_package_lookup()
+    processors_without_torchvision()
     patch_mmengine_dump_local_functions()
     cache_mmengine_config_formatting()
     quiet_bnb_cpu_kernel_warning()

@@ -202,3 +202,23 @@ def test_cpu_fallbacks(upstream):
     assert compat.cpu_ddp_wrapper_cfg(None)["device_ids"] is None
     fallback = compat.cpu_optim_wrapper_type(dict(type="AmpOptimWrapper", dtype="bfloat16", loss_scale="dynamic"))
     assert fallback == dict(type="OptimWrapper")
+
+
+def test_an_image_text_processor_saves_loads_and_expands_images_without_torchvision(tmp_path, tiny_tokenizer_dir):
+    """Qwen2.5-VL's processor has a video processor, whose classes need torchvision; without it the
+    processor still builds, saves, loads and expands each image into its merged patches."""
+    from transformers import AutoProcessor
+
+    from sfttool import assets
+
+    folder = assets.build_tiny_vlm(tmp_path / "vlm", tiny_tokenizer_dir, "qwen2_5_vl")
+    compat.processors_without_torchvision()
+    processor = AutoProcessor.from_pretrained(folder)
+    image = assets.write_png(tmp_path / "a.png", 56, 56)
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": "Hi"}]}]
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # 56 x 56 pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert int((out["input_ids"] == pad).sum()) == 4
+    assert tuple(out["pixel_values"].shape) == (16, 3 * 2 * 14 * 14)
