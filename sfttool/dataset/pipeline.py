@@ -347,7 +347,8 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                        shuffle_before_pack=True, pack_to_max_length=True, use_varlen_attn=False,
                        input_ids_with_output=True, with_image_token=False, map_num_proc=None, seed=0,
                        pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True, source=None,
-                       skip_bad_rows=False):
+                       skip_bad_rows=False, lazy_encode=False, buffer_size=None, encode_chunk=None,
+                       rows_per_epoch=None):
     """XTuner's ``process_hf_dataset``: a training ``datasets.Dataset`` from raw data.
 
     >>> ds = process_hf_dataset(rows, tokenizer, max_length=2048,
@@ -365,6 +366,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     ``map_num_proc=None`` picks a process count from the CPU count and data size.
     ``use_varlen_attn`` only matters to the collate fn and model (rows always
     carry per-sample position_ids); as in XTuner it requires packing.
+    ``lazy_encode=True``: load as always, but map, template and encode each row when the dataloader reads
+    it, in its workers, packing ``buffer_size`` samples at a time (``sfttool.dataset.lazy``; ``encode_chunk``
+    and ``rows_per_epoch`` as ``StreamingPackedDataset`` takes them).
     """
     check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                    max_dataset_length)
@@ -376,6 +380,11 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source,
                 skip_bad_rows=skip_bad_rows)
+    lazy = dict(lazy_encode=lazy_encode, buffer_size=buffer_size, encode_chunk=encode_chunk,
+                rows_per_epoch=rows_per_epoch)
+    if any(value is not None and value is not False for value in lazy.values()):
+        from sfttool.dataset.lazy import lazy_dataset
+        return lazy_dataset(args, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return cached_pipeline(cache_dir, args, run_pipeline)

@@ -100,9 +100,10 @@ def reader_name(reader: tuple[int, int, int, int]) -> str:
     return ", ".join(parts)
 
 
-def log_pass(stats: PipelineReport, epoch: int, reader: tuple[int, int, int, int], max_length: int) -> None:
+def log_pass(stats: PipelineReport, epoch: int, reader: tuple[int, int, int, int], max_length: int,
+             kind: str = "Stream") -> None:
     name = reader_name(reader)
-    who = f"Stream epoch {epoch}" + (f" ({name})" if name else "")
+    who = f"{kind} epoch {epoch}" + (f" ({name})" if name else "")
     log(f"{who}: {stats.rows_in} rows in, {stats.samples} samples in {stats.rows_out} rows out, "
         f"{stats.tokens} tokens")
     for line in split_lines(stats):
@@ -215,6 +216,7 @@ NOT_APPLICABLE = {  # argument -> why a stream ignores it
     "map_num_proc": "rows are encoded as they are read, in the dataloader workers (num_workers)",
     "remove_unused_columns": "streamed rows hold only input_ids, labels, position_ids and sample_lengths",
     "cache_dir": "a stream is encoded anew every pass, nothing is cached",
+    "lazy_encode": "a stream always encodes rows as it reads them",
 }
 
 
@@ -269,6 +271,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
 
     # The registry hands `dataset` over as its config, unbuilt, so that errors can name its files.
     build_args_lazily = ("dataset",)
+    pass_kind = "Stream"  # what the end-of-pass log lines begin with
 
     def __init__(self, dataset: Any, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
                  template_map_fn: Any = None, pack_to_max_length: bool = True, buffer_size: int = 1000,
@@ -277,12 +280,13 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  shuffle_before_pack: bool = True, use_varlen_attn: bool = False, pack_strategy: str = "bfd",
                  max_dataset_length: int | None = None, rename_maps: Any = (), with_image_token: bool = False,
                  do_dataset_tokenization: bool = True, remove_unused_columns: bool | None = None,
-                 map_num_proc: int | None = None, cache_dir: str | None = None, skip_bad_rows: bool = False):
+                 map_num_proc: int | None = None, cache_dir: str | None = None, skip_bad_rows: bool = False,
+                 lazy_encode: bool | None = None):
         refuse_changed_results(max_dataset_length, rename_maps, do_dataset_tokenization)
         check_settings(max_length, buffer_size, encode_chunk, rows_per_epoch, pack_to_max_length,
                        use_varlen_attn, pack_strategy, with_image_token)
         warn_not_applicable(dict(map_num_proc=map_num_proc, remove_unused_columns=remove_unused_columns,
-                                 cache_dir=cache_dir))
+                                 cache_dir=cache_dir, lazy_encode=lazy_encode))
         dataset = dataset_config(dataset)
         self.source = source or source_name(dataset)  # the file(s) errors name
         self.dataset = resolve_source(dataset, split)
@@ -328,10 +332,14 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             stats.samples += len(samples)
             yield from samples
 
+    def _raw_rows(self, reader: tuple[int, int, int, int], epoch: int) -> Iterator[tuple[int, Any]]:
+        """This reader's ``(row number, raw row)`` pairs of one pass."""
+        return read_explained(_shard(self.dataset, *reader, epoch), self.source)  # a malformed line: one line
+
     def __iter__(self) -> Iterator[Sample]:
         reader, epoch = _reader(), self.epoch
         stats = self.pass_stats = PipelineReport()
-        rows = read_explained(_shard(self.dataset, *reader, epoch), self.source)  # a malformed line: one line
+        rows = self._raw_rows(reader, epoch)
         samples = self._samples(rows, self._share_name(reader), stats)
         if not self.pack_to_max_length:
             rows: Iterator[Sample] = map(single_sample_row, samples)
@@ -343,4 +351,4 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             stats.rows_out += 1
             stats.tokens += len(row["input_ids"])
             yield row
-        log_pass(stats, epoch, reader, self.max_length)
+        log_pass(stats, epoch, reader, self.max_length, self.pass_kind)

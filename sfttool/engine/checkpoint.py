@@ -10,7 +10,8 @@
 - ``RNGStateHook`` / ``restore_rng_state``: mmengine only re-seeds on resume;
   we record the exact Python/numpy/torch RNG states in the message hub (which
   every checkpoint holds, DeepSpeed's too) and restore them, so dropout draws
-  continue unchanged.
+  continue unchanged; each rank's data position goes with them (``saved_data_position``), so a resume
+  starts at the exact batch even when a pass gave another number of batches than ``len(dataloader)``.
 - ``sfttool.utils.checkpoint_file``: the checkpoint ``--resume`` continues from (the
   one ``last_checkpoint`` names, else the newest *complete* one) and the best one.
 - ``check_checkpoint_fits``: a checkpoint of another model or LoRA shape fails
@@ -122,6 +123,11 @@ def _as_tuple(obj):
     return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
+# The message hub's info key of every rank's data position: ``(iteration, epoch, batches into the epoch)``
+# after the iteration's batch (``runner.TrainLoop``).
+DATA_POSITION_INFO = "data_position"
+
+
 @BUILDER.register_module()
 class RNGStateHook(Hook):
     """Puts every rank's RNG states into the message hub after every iteration,
@@ -135,8 +141,26 @@ class RNGStateHook(Hook):
     priority = 85  # after the other hooks of an iteration, before CheckpointHook (VERY_LOW = 90)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
-        # One entry per rank, indexed by rank; mmengine returns [state] in a single process.
-        runner.message_hub.update_info("rng_state", all_gather_object(_rng_state()))
+        # One entry per rank, indexed by rank; mmengine returns [state] in a single process. Each rank's data
+        # position (``TrainLoop.data_position``) travels in the same gather: a stream's or a lazily encoded
+        # dataset's passes may differ in length between ranks.
+        position = getattr(runner.train_loop, "data_position", None)
+        gathered = all_gather_object((_rng_state(), position))
+        runner.message_hub.update_info("rng_state", [state for state, _ in gathered])
+        runner.message_hub.update_info(DATA_POSITION_INFO, [where for _, where in gathered])
+
+
+def saved_data_position(runner, iteration: int) -> tuple[int, int] | None:
+    """``(epoch, batches into it)`` this rank's data stood at when the resumed checkpoint was taken at
+    ``iteration``; None when it holds none for that iteration (a checkpoint of an older sfttool, another
+    number of processes)."""
+    from mmengine.dist import get_rank, get_world_size
+
+    positions = runner.message_hub.get_info(DATA_POSITION_INFO)
+    if not positions or len(positions) != get_world_size() or positions[get_rank()] is None:
+        return None
+    at, epoch, batches = positions[get_rank()]
+    return (epoch, batches) if at == iteration else None
 
 
 def restore_rng_state(runner) -> bool:

@@ -47,7 +47,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.runner import IterBasedTrainLoop
 
 from sfttool.dataset.errors import DatasetError
-from sfttool.engine.checkpoint import restore_rng_state
+from sfttool.engine.checkpoint import restore_rng_state, saved_data_position
 from sfttool.model.step_metrics import StepAccumulator
 from sfttool.registry import BUILDER
 
@@ -78,16 +78,20 @@ class _ResumableBatches:
 
     The sampler is seeded by ``seed + epoch`` (mmengine's ``DefaultSampler``),
     so jumping to epoch ``e`` and skipping ``offset`` batches reproduces the
-    uninterrupted order exactly when every pass gives ``len(dataloader)`` batches.
-    A stream (sfttool.dataset.streaming) may give another number, its length being
-    an estimate: a pass that gives another number is reported once, a pass that
-    ends while skipping is followed into the next one, and a pass without any
-    batch is an error (an endless loop of empty passes otherwise).
+    uninterrupted order exactly. ``position``, the ``(epoch, batches into it)`` a
+    checkpoint recorded, says where; without it, ``start_iter`` does, right when
+    every pass gives ``len(dataloader)`` batches. A stream (sfttool.dataset.streaming)
+    or lazily encoded data (sfttool.dataset.lazy) may give another number, its
+    length being an estimate or dropped rows missing: a pass that gives another
+    number is reported once, a pass that ends while skipping is followed into the
+    next one, and a pass without any batch is an error (an endless loop of empty
+    passes otherwise).
     """
 
-    def __init__(self, dataloader, start_iter: int = 0) -> None:
+    def __init__(self, dataloader, start_iter: int = 0, position: tuple[int, int] | None = None) -> None:
         self.dataloader = dataloader
-        self.epoch, offset = divmod(start_iter, len(dataloader))
+        self.epoch, offset = position if position is not None else divmod(start_iter, len(dataloader))
+        self._positioned = position is not None
         self._batches = 0  # given by the current pass, counted from its start
         self._reported = False
         # Creating a DataLoader iterator draws a worker seed from torch's global
@@ -103,6 +107,11 @@ class _ResumableBatches:
     def batches_into_epoch(self) -> int:
         """Batches the current pass has given so far."""
         return self._batches
+
+    @property
+    def data_position(self) -> tuple[int, int]:
+        """``(epoch, batches into it)`` after the last batch given: where a resume starts."""
+        return self.epoch, self._batches
 
     def _epoch_iterator(self) -> Iterator:
         sampler = getattr(self.dataloader, "sampler", None)
@@ -149,7 +158,9 @@ class _ResumableBatches:
             message += f"; resuming at iteration {self._resuming_at}, the skip went on into epoch {self.epoch + 1}"
         else:
             message += ": epochs are counted with the length"
-        return message + ": a resume lands on the exact batch only when they agree"
+        if self._positioned or self._resuming_at is None:
+            return message + " (a resume still lands on the exact batch: checkpoints hold the data position)"
+        return message + ": a checkpoint without the data position resumes on the exact batch only when they agree"
 
 
 def iterations_per_step(optim_wrapper: Any, model: Any) -> int:
@@ -240,7 +251,8 @@ class TrainLoop(IterBasedTrainLoop):
             max_iters = int(math.ceil(max_epochs * len(dataloader)))
         super().__init__(runner, dataloader, max_iters=int(max_iters), **kwargs)
         self._max_epochs = max_epochs if max_epochs is not None else math.ceil(max_iters / len(self.dataloader))
-        self._pending: list = []  # micro-batches of the current optimizer step, looked ahead
+        self._pending: list = []  # the current optimizer step's (micro-batch, data position after it), looked ahead
+        self.data_position: tuple[int, int, int] | None = None  # (iteration, epoch, batches) after the last batch
         self._step_metrics = StepAccumulator()  # the current step's sums and counts
 
     @property
@@ -294,20 +306,29 @@ class TrainLoop(IterBasedTrainLoop):
         return self._step_metrics.reduce()
 
     def _batches(self) -> Iterator:
-        """The micro-batches from iteration ``self._iter`` on (a loop over generated data gives its own)."""
-        return _ResumableBatches(self.dataloader, self._iter)
+        """The micro-batches from iteration ``self._iter`` on (a loop over generated data gives its own),
+        from the data position the resumed checkpoint holds for this iteration when it holds one."""
+        position = saved_data_position(self.runner, self._iter) if self._iter > 0 else None
+        return _ResumableBatches(self.dataloader, self._iter, position)
 
     def _next_batch(self) -> dict:
-        """The next micro-batch, with the step-wide ``loss_normalizer`` set."""
+        """The next micro-batch, with the step-wide ``loss_normalizer`` set; ``data_position`` the data
+        position after it (``RNGStateHook`` puts it in the checkpoint)."""
         if not self._pending:
             size, loss_factor = optimizer_step_window(
                 self.runner.optim_wrapper, self.runner.model, self._iter, self._max_iters)
-            self._pending = [next(self.dataloader_iterator) for _ in range(size)]
-            self._set_loss_normalizer(self._pending, loss_factor)
-        batch = self._pending.pop(0)
+            self._pending = [self._read_batch() for _ in range(size)]
+            self._set_loss_normalizer([batch for batch, _ in self._pending], loss_factor)
+        batch, position = self._pending.pop(0)
+        self.data_position = None if position is None else (self._iter + 1, *position)
         if not self._pending:
             close_short_deepspeed_window(self.runner.model, self._iter)
         return batch
+
+    def _read_batch(self) -> tuple[dict, tuple[int, int] | None]:
+        """The next batch and the data position after it (None from a loop's own batches without one)."""
+        batch = next(self.dataloader_iterator)
+        return batch, getattr(self.dataloader_iterator, "data_position", None)
 
     def _set_loss_normalizer(self, batches: list, loss_factor: int) -> None:
         model = unwrap_model(self.runner.model)

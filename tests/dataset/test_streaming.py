@@ -299,14 +299,38 @@ def test_a_resume_past_the_end_of_a_short_pass_goes_on_into_the_next(conversatio
     run = ids_of(next(full) for _ in range(2 * rows))
     mismatch = (f"epoch 0 of the training data gave {rows} batches, but len(train_dataloader) is {rows + 5} "
                 f"(rows_per_epoch={rows + 5}; rows_per_epoch={rows} would give {rows} batches of 1)")
-    assert loop_log == [mismatch + ": epochs are counted with the length: a resume lands on the exact "
-                                   "batch only when they agree"]
+    assert loop_log == [mismatch + ": epochs are counted with the length (a resume still lands on the exact "
+                                   "batch: checkpoints hold the data position)"]
     loop_log.clear()
     resumed = _ResumableBatches(loader(), start_iter=rows + 2)  # epoch 0 by the length, epoch 1 of the stream
     assert (resumed.epoch, resumed.batches_into_epoch) == (1, 2)  # what the "Resuming at" line reports
     assert ids_of(next(resumed) for _ in range(rows - 2)) == run[rows + 2:]
     assert loop_log == [mismatch + f"; resuming at iteration {rows + 2}, the skip went on into epoch 1: "
-                                   "a resume lands on the exact batch only when they agree"]
+                                   "a checkpoint without the data position resumes on the exact batch only when "
+                                   "they agree"]
+
+
+def test_a_checkpointed_data_position_resumes_exactly_whatever_the_length(conversations, tiny_tokenizer, loop_log):
+    """rows_per_epoch below the true count: by the length, iteration 2 * rows_per_epoch would be the
+    start of epoch 2, but the run was then still in its first pass; the position it recorded resumes
+    it on the exact batch."""
+    from sfttool.engine.runner import _ResumableBatches
+
+    rows = len(list(make_dataset(conversations, tiny_tokenizer, buffer_size=16)))
+    loader = lambda: stream_loader(make_dataset(conversations, tiny_tokenizer, buffer_size=16,
+                                                rows_per_epoch=rows // 3))
+    full = _ResumableBatches(loader())
+    run, positions = [], []
+    for _ in range(2 * rows):
+        run.append(tuple(next(full)["input_ids"]))
+        positions.append(full.data_position)
+    start = 2 * (rows // 3)
+    assert positions[start - 1] == (0, start)  # the first pass has not ended: epoch 0, not epoch 2
+    resumed = _ResumableBatches(loader(), start_iter=start, position=positions[start - 1])
+    assert ids_of(next(resumed) for _ in range(rows)) == run[start:start + rows]
+    assert positions[rows + 4] == (1, 5)  # and into the second pass
+    resumed = _ResumableBatches(loader(), start_iter=rows + 5, position=positions[rows + 4])
+    assert ids_of(next(resumed) for _ in range(rows - 5)) == run[rows + 5:]
 
 
 def test_rows_per_epoch_counts_one_ranks_rows(conversations, tiny_tokenizer, monkeypatch, loop_log):

@@ -1,0 +1,173 @@
+"""Lazy encoding of map-style data: ``process_hf_dataset(..., lazy_encode=True)``.
+
+The data is loaded as ``process_hf_dataset`` loads it (Arrow, memory-mapped, rows numbered as in the
+file, ``max_dataset_length``'s seeded subset), but nothing is mapped, templated or tokenized before
+training: the stream's stages (``streaming.StreamingEncoder``) run a chunk of rows at a time when the
+dataloader asks for them, in its workers, and packing is the stream's buffered best fit
+(``pack.pack_stream``). A file of ten million rows starts training once it is loaded.
+
+Each epoch reads every row once, in an order seeded by ``seed`` and the epoch (file order with
+``shuffle_before_pack=False``), split between the ranks and then between the dataloader workers.
+A row a stage drops is skipped and counted; each reader logs its pass's counts when the pass ends
+(rows in, samples, rows out, every drop by cause with the first row numbers)::
+
+    Lazy epoch 0: 10000 rows in, 9998 samples in 2412 rows out, 1843201 tokens
+    Lazy epoch 0: dropped 2 rows: empty conversation (row 17, row 4410)
+
+    train_dataset = dict(type=process_hf_dataset, dataset=..., tokenizer=tokenizer, max_length=2048,
+                         template_map_fn=..., lazy_encode=True, buffer_size=1000, seed=seed)
+    train_dataloader = dict(dataset=train_dataset, sampler=None, ...)  # the dataset orders itself
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.pack import pack_buffer
+from sfttool.dataset.pipeline import number_rows, select_rows
+from sfttool.dataset.report import PipelineReport, log
+from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
+from sfttool.dataset.streaming import StreamingPackedDataset, _reader
+from sfttool.registry import BUILDER
+
+# Rows encoded when the dataset is built, to estimate the packed rows of an epoch (``rows_per_epoch``).
+ESTIMATE_ROWS = 1000
+
+# process_hf_dataset's arguments that only lazy encoding reads, with their defaults there.
+LAZY_SETTINGS = dict(buffer_size=1000, encode_chunk=64, rows_per_epoch=None)
+
+
+def lazy_dataset(args: dict, lazy_encode: bool, buffer_size: int | None, encode_chunk: int | None,
+                 rows_per_epoch: int | None, use_varlen_attn: bool, cache_dir: str | None) -> "LazyEncodedDataset":
+    """``process_hf_dataset(lazy_encode=True, ...)`` (``args``: its pipeline arguments): a
+    ``LazyEncodedDataset``. What would change the rows is refused; what has no meaning here is ignored
+    with one warning; a lazy-only setting without ``lazy_encode=True`` is an error, not ignored."""
+    given = dict(buffer_size=buffer_size, encode_chunk=encode_chunk, rows_per_epoch=rows_per_epoch)
+    if not lazy_encode:
+        raise DatasetError(f"{', '.join(n for n, v in given.items() if v is not None)} only applies with "
+                           "lazy_encode=True (rows encoded as the loader reads them); set lazy_encode=True, or "
+                           "remove it")
+    refuse_changed_rows(args["rename_maps"], args["do_dataset_tokenization"], args["pack_strategy"])
+    warn_ignored(args["map_num_proc"], cache_dir)
+    settings = {name: LAZY_SETTINGS[name] if value is None else value for name, value in given.items()}
+    keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output", "split",
+            "source", "shuffle_before_pack", "max_dataset_length", "skip_bad_rows")
+    return LazyEncodedDataset(args["dataset"], args["tokenizer"], args["max_length"], use_varlen_attn=use_varlen_attn,
+                              **{name: args[name] for name in keep}, **settings)
+
+
+def refuse_changed_rows(rename_maps: Any, do_dataset_tokenization: bool, pack_strategy: str) -> None:
+    """process_hf_dataset's arguments lazy encoding cannot honour: ignoring them would change the rows."""
+    if rename_maps:
+        raise DatasetError("rename_maps is not available with lazy_encode=True; rename the fields in a "
+                           "dataset_map_fn")
+    if not do_dataset_tokenization:
+        raise DatasetError("do_dataset_tokenization=False (pre-tokenized rows) leaves nothing to encode lazily; "
+                           "remove lazy_encode")
+    if pack_strategy != "bfd":
+        raise DatasetError(f"pack_strategy={pack_strategy!r} is not available with lazy_encode=True: rows are "
+                           "packed best-fit-decreasing within a buffer (buffer_size) and no sample is split; "
+                           "remove pack_strategy")
+
+
+def warn_ignored(map_num_proc: int | None, cache_dir: str | None) -> None:
+    """Rows hold only the token columns whatever ``remove_unused_columns`` says (the collate fn reads no other)."""
+    why = {"map_num_proc": (map_num_proc, "rows are encoded as they are read, in the dataloader workers "
+                                          "(num_workers)"),
+           "cache_dir": (cache_dir, "nothing is encoded ahead to cache")}
+    ignored = [f"{name} ({reason})" for name, (value, reason) in why.items() if value is not None]
+    if ignored:
+        log("lazy_encode: ignoring what does not apply to lazy encoding: " + "; ".join(ignored), logging.WARNING)
+
+
+def rank_rows(order: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rank ``rank``'s share of an epoch's row order: every ``world``-th row.
+
+    >>> rank_rows(np.arange(7), 1, 2)
+    array([1, 3, 5])
+    """
+    return order[rank::world]
+
+
+@BUILDER.register_module()
+class LazyEncodedDataset(StreamingPackedDataset):
+    """A loaded ``datasets.Dataset`` encoded row by row as it is read (module docstring).
+
+    ``len()``: the rows one rank reads per epoch: without packing, its share of the rows (fewer come
+    out when rows are dropped); with packing, ``rows_per_epoch`` or an estimate from the first
+    ``ESTIMATE_ROWS`` rows of epoch 0, encoded and packed when the dataset is built. The train loop
+    counts epochs with it; a resume lands on the exact batch either way (the loop checkpoints its
+    data position).
+    """
+
+    pass_kind = "Lazy"
+
+    def __init__(self, dataset: Any, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
+                 template_map_fn: Any = None, pack_to_max_length: bool = True, buffer_size: int = 1000,
+                 seed: int = 0, input_ids_with_output: bool = True, encode_chunk: int = 64,
+                 rows_per_epoch: int | None = None, split: str = "train", source: str | None = None,
+                 shuffle_before_pack: bool = True, use_varlen_attn: bool = False,
+                 max_dataset_length: int | None = None, skip_bad_rows: bool = False):
+        source = source or source_name(dataset_config(dataset))
+        loaded = number_rows(resolve_dataset(dataset_config(dataset), split))
+        loaded = select_rows(loaded, max_dataset_length, seed, PipelineReport())  # the rows eager encoding reads
+        if len(loaded) == 0:
+            raise DatasetError(f"{source or 'dataset'}: no rows to train on: the dataset is empty")
+        super().__init__(loaded, tokenizer, max_length, dataset_map_fn, template_map_fn,
+                         pack_to_max_length=pack_to_max_length, buffer_size=buffer_size, seed=seed,
+                         input_ids_with_output=input_ids_with_output, encode_chunk=encode_chunk,
+                         rows_per_epoch=rows_per_epoch, source=source, shuffle_before_pack=shuffle_before_pack,
+                         use_varlen_attn=use_varlen_attn, skip_bad_rows=skip_bad_rows)
+        self.rows = len(loaded)
+        if pack_to_max_length and rows_per_epoch is None:
+            self.rows_per_epoch = self.estimate_packed_rows()
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The rows of an epoch, as indices of the loaded dataset: seeded by (seed, epoch)."""
+        if not self.shuffle_before_pack:
+            return np.arange(self.rows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+
+    def _raw_rows(self, reader: tuple[int, int, int, int], epoch: int) -> Iterator[tuple[int, Any]]:
+        """This reader's rows of the epoch: its rank's share, then every ``workers``-th row of it."""
+        rank, world, worker, workers = reader
+        mine = rank_rows(self.order(epoch), rank, world)[worker::workers]
+        for start in range(0, len(mine), self.encode_chunk):
+            yield from self._read(mine[start:start + self.encode_chunk])
+
+    def _read(self, indices: np.ndarray) -> Iterator[tuple[int, dict]]:
+        """``(row number as loaded, raw row)`` of the loaded dataset's rows ``indices`` (one Arrow take)."""
+        columns = self.dataset[indices.tolist()]
+        numbers = columns.pop(ROW_COLUMN)
+        for k, number in enumerate(numbers):
+            yield number, {name: values[k] for name, values in columns.items()}
+
+    def __len__(self) -> int:
+        if self.rows_per_epoch is not None:
+            return self.rows_per_epoch
+        rank, world, _, _ = _reader()
+        return len(rank_rows(np.arange(self.rows), rank, world))
+
+    def estimate_packed_rows(self) -> int:
+        """Packed rows one rank reads per epoch, from the first rows of epoch 0 encoded and packed as
+        one buffer: the rank's rows x tokens per row / tokens per packed row (its fill as the buffer packs)."""
+        rank, world, _, _ = _reader()
+        share = len(rank_rows(np.arange(self.rows), rank, world))
+        first = self.order(0)[:min(self.rows, ESTIMATE_ROWS, max(self.buffer_size, self.encode_chunk))]
+        stats = PipelineReport()
+        samples = self.encoder(list(self._read(first)), self.source, stats)
+        if not samples:
+            return share  # every row of the sample dropped: say one packed row per row (the epoch will say more)
+        rows, carry = pack_buffer(samples, self.max_length, final=len(first) == self.rows)
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        packed_tokens = tokens - sum(len(s["input_ids"]) for s in carry)
+        per_row = packed_tokens / len(rows) if rows else tokens
+        estimate = max(1, math.ceil(share * tokens / len(first) / per_row))
+        log(f"Lazy encoding: {self.rows} rows; about {estimate} packed rows per rank per epoch (estimated from "
+            f"{len(first)} rows encoded: {tokens / len(first):.1f} tokens per row, {per_row:.1f} per packed row; "
+            "set rows_per_epoch to fix it)", logging.INFO)
+        return estimate
