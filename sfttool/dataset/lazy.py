@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
 from sfttool.dataset.pack import pack_buffer
 from sfttool.dataset.pipeline import number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, log
@@ -47,17 +47,30 @@ def lazy_dataset(args: dict, lazy_encode: bool, buffer_size: int | None, encode_
     ``LazyEncodedDataset``. What would change the rows is refused; what has no meaning here is ignored
     with one warning; a lazy-only setting without ``lazy_encode=True`` is an error, not ignored."""
     given = dict(buffer_size=buffer_size, encode_chunk=encode_chunk, rows_per_epoch=rows_per_epoch)
-    if not lazy_encode:
-        raise DatasetError(f"{', '.join(n for n, v in given.items() if v is not None)} only applies with "
-                           "lazy_encode=True (rows encoded as the loader reads them); set lazy_encode=True, or "
-                           "remove it")
-    refuse_changed_rows(args["rename_maps"], args["do_dataset_tokenization"], args["pack_strategy"])
+    check_lazy_settings(lazy_encode, given, args["rename_maps"], args["do_dataset_tokenization"],
+                        args["pack_strategy"])
     warn_ignored(args["map_num_proc"], cache_dir)
     settings = {name: LAZY_SETTINGS[name] if value is None else value for name, value in given.items()}
     keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output", "split",
             "source", "shuffle_before_pack", "max_dataset_length", "skip_bad_rows")
     return LazyEncodedDataset(args["dataset"], args["tokenizer"], args["max_length"], use_varlen_attn=use_varlen_attn,
                               **{name: args[name] for name in keep}, **settings)
+
+
+def check_lazy_settings(lazy_encode: bool, given: dict[str, int | None], rename_maps: Any,
+                        do_dataset_tokenization: bool, pack_strategy: str) -> None:
+    """``lazy_encode`` and its settings (``given``: ``LAZY_SETTINGS``' names, None where unset) against
+    process_hf_dataset's other arguments; run again by ``sfttool train``'s checks before anything is built."""
+    if not lazy_encode:
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise DatasetError(f"{', '.join(named)} only applies with lazy_encode=True (rows encoded as the loader "
+                               "reads them); set lazy_encode=True, or remove it")
+        return
+    for name, value in given.items():
+        if value is not None:
+            check_positive_int(value, name)
+    refuse_changed_rows(rename_maps, do_dataset_tokenization, pack_strategy)
 
 
 def refuse_changed_rows(rename_maps: Any, do_dataset_tokenization: bool, pack_strategy: str) -> None:

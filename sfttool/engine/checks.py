@@ -34,6 +34,7 @@ from sfttool.config import ConfigError, validate_config
 from sfttool.config.arguments import typed_nodes
 from sfttool.config.settings import setting
 from sfttool.dataset.data_sources import process_data_sources
+from sfttool.dataset.lazy import LAZY_SETTINGS, check_lazy_settings
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
 from sfttool.dataset.prompts import validation_problems as prompt_validation_problems
@@ -144,6 +145,8 @@ def preference_validation_problems(cfg: Any, path: str) -> list[str]:
 def _check_pipeline(a: dict) -> None:
     check_pipeline_settings(a["max_length"], a["pack_to_max_length"], a["use_varlen_attn"], a["pack_strategy"],
                             a["with_image_token"], a["max_dataset_length"])
+    check_lazy_settings(a["lazy_encode"], {name: a[name] for name in LAZY_SETTINGS}, a["rename_maps"],
+                        a["do_dataset_tokenization"], a["pack_strategy"])
 
 
 def _check_stream(a: dict) -> None:
@@ -170,7 +173,8 @@ def _check_streamed_sources(a: dict) -> None:
 _SETTINGS = ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy", "with_image_token",
              "max_dataset_length")
 DATASET_SETTING_CHECKS = {
-    process_hf_dataset: (_check_pipeline, _SETTINGS),
+    process_hf_dataset: (_check_pipeline, _SETTINGS + ("lazy_encode", *LAZY_SETTINGS, "rename_maps",
+                                                      "do_dataset_tokenization")),
     StreamingPackedDataset: (_check_stream, _SETTINGS + ("rename_maps", "do_dataset_tokenization", "buffer_size",
                                                          "encode_chunk", "rows_per_epoch")),
     process_data_sources: (_check_sources, ("max_length", "pack_to_max_length", "use_varlen_attn", "pack_strategy",
@@ -206,10 +210,20 @@ def stream_sampler_problems(cfg: Any) -> list[str]:
     torch's DataLoader refuses it with a traceback once the model is built."""
     loader = cfg.get("train_dataloader") or {}
     kind = _type_of(loader.get("dataset"))
-    if not _is_a(kind, torch.utils.data.IterableDataset) or loader.get("sampler") is None:
+    if loader.get("sampler") is None:
+        return []
+    if _encodes_lazily(loader.get("dataset")):
+        return ["train_dataloader.sampler: process_hf_dataset with lazy_encode=True reads its rows in its own "
+                "seeded order (seed and epoch), as a stream does; set sampler=None"]
+    if not _is_a(kind, torch.utils.data.IterableDataset):
         return []
     return [f"train_dataloader.sampler: {kind.__name__} is a stream, read in its own seeded order (set_epoch "
             "varies it per epoch); set sampler=None"]
+
+
+def _encodes_lazily(node: Any) -> bool:
+    """A ``process_hf_dataset`` node with ``lazy_encode=True``: built, it is an iterable dataset."""
+    return _type_of(node) is process_hf_dataset and node.get("lazy_encode") is True
 
 
 def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
@@ -232,6 +246,9 @@ def sequence_parallel_problems(cfg: Any, world_size: int) -> list[SfttoolError]:
     if _is_a(_type_of(loader.get("dataset")), torch.utils.data.IterableDataset):  # a stream shares rows by rank
         problems.append(SequenceParallelError(f"sequence_parallel_size={size} needs a map-style dataset: "
                                               "turn streaming off in train_dataloader.dataset"))
+    elif _encodes_lazily(loader.get("dataset")):
+        problems.append(SequenceParallelError(f"sequence_parallel_size={size} needs a map-style dataset: "
+                                              "set lazy_encode=False in train_dataloader.dataset"))
     model = _type_of(cfg.get("model"))
     if isinstance(model, type) and not (issubclass(model, SupervisedFinetune)
                                         and (model.compute_loss is SupervisedFinetune.compute_loss

@@ -228,3 +228,7 @@ def test_a_sampler_on_a_stream_is_one_line():
         assert checks.stream_sampler_problems(cfg) == []
     cfg = Config(dict(train_dataloader=dict(dataset=dict(type=process_hf_dataset), sampler=dict(type="DefaultSampler"))))
     assert checks.stream_sampler_problems(cfg) == []
+    cfg.train_dataloader.dataset.lazy_encode = True  # built, an iterable dataset too
+    assert checks.stream_sampler_problems(cfg) == [
+        "train_dataloader.sampler: process_hf_dataset with lazy_encode=True reads its rows in its own seeded order "
+        "(seed and epoch), as a stream does; set sampler=None"]
