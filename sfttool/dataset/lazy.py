@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
-from sfttool.dataset.pack import pack_buffer
+from sfttool.dataset.pack import pack_stream
 from sfttool.dataset.pipeline import number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
@@ -166,21 +166,19 @@ class LazyEncodedDataset(StreamingPackedDataset):
         return len(rank_rows(np.arange(self.rows), rank, world))
 
     def estimate_packed_rows(self) -> int:
-        """Packed rows one rank reads per epoch, from the first rows of epoch 0 encoded and packed as
-        one buffer: the rank's rows x tokens per row / tokens per packed row (its fill as the buffer packs)."""
+        """Packed rows one rank reads per epoch, from the first rows of epoch 0 encoded and packed as the
+        epoch packs them (``buffer_size`` at a time): the rank's rows x tokens per row / tokens per packed row.
+        Exact for one reader of a dataset of at most ``ESTIMATE_ROWS`` rows."""
         rank, world, _, _ = _reader()
         share = len(rank_rows(np.arange(self.rows), rank, world))
-        first = self.order(0)[:min(self.rows, ESTIMATE_ROWS, max(self.buffer_size, self.encode_chunk))]
-        stats = PipelineReport()
-        samples = self.encoder(list(self._read(first)), self.source, stats)
+        first = self.order(0)[:min(self.rows, ESTIMATE_ROWS)]
+        samples = self.encoder(list(self._read(first)), self.source, PipelineReport())
         if not samples:
-            return share  # every row of the sample dropped: say one packed row per row (the epoch will say more)
-        rows, carry = pack_buffer(samples, self.max_length, final=len(first) == self.rows)
+            return share  # every row of the sample dropped: one packed row per row (each epoch logs its count)
+        rows = sum(1 for _ in pack_stream(samples, self.max_length, self.buffer_size, None))
         tokens = sum(len(s["input_ids"]) for s in samples)
-        packed_tokens = tokens - sum(len(s["input_ids"]) for s in carry)
-        per_row = packed_tokens / len(rows) if rows else tokens
-        estimate = max(1, math.ceil(share * tokens / len(first) / per_row))
-        log(f"Lazy encoding: {self.rows} rows; about {estimate} packed rows per rank per epoch (estimated from "
-            f"{len(first)} rows encoded: {tokens / len(first):.1f} tokens per row, {per_row:.1f} per packed row; "
-            "set rows_per_epoch to fix it)", logging.INFO)
+        estimate = max(1, math.ceil(share * rows / len(first)))
+        log(f"Lazy encoding: {self.rows} rows; about {estimate} packed rows per rank per epoch (the first "
+            f"{len(first)} rows encoded: {tokens / len(first):.1f} tokens per row, {tokens / rows:.1f} per packed "
+            "row; rows_per_epoch sets it)")
         return estimate

@@ -31,6 +31,32 @@ def test_resume_is_bit_identical(tmp_path, tiny_config):
 
 
 @pytest.mark.slow
+def test_a_lazily_encoded_run_resumes_bit_identically(tmp_path, tiny_config):
+    """process_hf_dataset(lazy_encode=True) with rows_per_epoch (30) below the packed rows of a pass (46): an
+    epoch by the length is not a pass over the rows; the checkpoint's data position resumes the interrupted
+    run on the exact batch (iteration 32: epoch 1 by the length, still the first pass), and the result is
+    the uninterrupted run's, bit for bit."""
+    from sfttool.engine.train import train
+
+    cfg = tiny_config(max_epochs=1.6, dropout=0.1, accumulative_counts=2, save_steps=4, keep=1)  # 48 iterations
+    text = cfg.read_text()
+    for old, new in (("map_num_proc=1, seed=seed)", "lazy_encode=True, buffer_size=8, rows_per_epoch=30, seed=seed)"),
+                     ("sampler=dict(type=DefaultSampler, shuffle=True, seed=seed)", "sampler=None")):
+        assert old in text
+        text = text.replace(old, new)
+    cfg.write_text(text)
+    full = train(str(cfg), work_dir=str(tmp_path / "full"))
+    stop = {"custom_hooks": [dict(type="engine_helpers.StopAfterIter", n=32)]}
+    with pytest.raises(Interrupted):
+        train(str(cfg), work_dir=str(tmp_path / "resumed"), cfg_options=stop)
+    resumed = train(str(cfg), work_dir=str(tmp_path / "resumed"), resume="auto")
+    a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
+    b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_max_steps_stops_with_a_checkpoint_that_resumes_into_the_uninterrupted_run(tmp_path, tiny_config):
     """--max-steps 2 with accumulation 2: a checkpoint after iteration 4 of 8, on the full run's learning-rate
     schedule, so --resume ends where the uninterrupted run ends, bit for bit; the resumed run's logged `time`
