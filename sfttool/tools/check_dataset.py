@@ -246,6 +246,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
     args = pipeline_args(node)
     errors_before = findings.count()
     raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
+    if args["lazy_encode"]:
+        echo("lazy_encode=True: checked here with the eager pipeline (the same stages, every row at once); "
+             "training encodes each row as the loader reads it")
     every = load_every_row(raw_cfg, args["split"], findings, echo)
     if every is None:
         return

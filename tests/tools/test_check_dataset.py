@@ -201,6 +201,25 @@ def test_drops_are_listed_by_cause_with_their_rows(tmp_path, tiny_tokenizer_dir)
     assert "dropped 1 rows: answer masked away (output_with_loss=False on every turn) (row 4)" in lines
 
 
+def test_a_lazily_encoded_config_is_checked_with_the_eager_pipeline(tmp_path, tiny_tokenizer_dir):
+    """lazy_encode=True and its settings: the same stages, drops and statistics as the eager config."""
+    rows = assets.tiny_conversations(6)
+    rows[2]["conversation"] = [{"input": "hello " * 200, "output": "a"}]
+    cfg = make_config(tmp_path, tiny_tokenizer_dir, rows=rows)
+    check(cfg)  # the first run also converts the JSON file (its progress lines)
+    code, eager = check(cfg)
+    text = cfg.read_text()
+    cfg.write_text(text.replace("pack_to_max_length=True)", "pack_to_max_length=True, lazy_encode=True, "
+                                                             "buffer_size=4, seed=0)"))
+    code, out = check(cfg)
+    assert code == 0, out
+    note = ("lazy_encode=True: checked here with the eager pipeline (the same stages, every row at once); "
+            "training encodes each row as the loader reads it")
+    assert out.splitlines()[1] == note
+    assert out.replace(note + "\n", "") == eager
+    assert "dropped 1 rows: prompt longer than max_length=128" in out and "packing (bfd): 5 samples ->" in out
+
+
 def test_rows_a_map_fn_changed_are_warnings_and_repeated_keys_an_error(tmp_path, tiny_tokenizer_dir):
     convs = [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]
     lines = [json.dumps({"conversations": convs}),
