@@ -151,3 +151,18 @@ def test_mix_sources_benchmark(tmp_path):
     assert [m["strategy"] for m in report["mixes"]] == ["concat", "interleave", "interleave"]
     assert report["mixes"][0]["samples"] == 500  # 200 x 1 + 200 x 1.5
     assert all(0 < m["packing_efficiency"] <= 1 and m["rows"] > 0 for m in report["mixes"])
+
+
+@pytest.mark.slow
+def test_lazy_packing_benchmark(tmp_path):
+    out = tmp_path / "lazy_packing.json"
+    run([sys.executable, str(BENCH / "lazy_packing.py"), "--rows", "60", "--max-length", "512", "--buffers", "8",
+         "60", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    (start,) = report["startup"]
+    assert start["rows"] == 60 and 0 < start["load_seconds"] and 0 < start["lazy_seconds"] and 0 < start["eager_seconds"]
+    eager = report["eager"]
+    assert [r["buffer_size"] for r in report["lazy"]] == [8, 60]
+    for r in report["lazy"]:  # every token packed
+        assert r["tokens"] == eager["tokens"] and 0 < r["packing_efficiency"] <= 1
+    assert report["lazy"][1]["rows_out"] == report["lazy"][1]["estimated_rows"]  # 60 rows: the estimate is exact

@@ -74,7 +74,7 @@ def run_checks(cfg: Any, options: TrainOptions, world_size: int) -> Findings:
     if type_name((cfg.get("train_cfg") or {}).get("type")) == "GRPOLoop":  # its rounds fit its steps
         _collect(found.errors, check_loop_config, cfg)
     found.errors += dataset_setting_problems(cfg)
-    found.errors += [ConfigError(line) for line in stream_sampler_problems(cfg)]
+    found.errors += [ConfigError(line) for line in stream_sampler_problems(cfg) + lazy_validation_problems(cfg)]
     found.errors += sequence_parallel_problems(cfg, world_size)
     found.errors += router_aux_loss_problems(cfg)
     _collect(found.errors, check_lora_targets, cfg)
@@ -219,6 +219,17 @@ def stream_sampler_problems(cfg: Any) -> list[str]:
         return []
     return [f"train_dataloader.sampler: {kind.__name__} is a stream, read in its own seeded order (set_epoch "
             "varies it per epoch); set sampler=None"]
+
+
+def lazy_validation_problems(cfg: Any) -> list[str]:
+    """A validation set encoded lazily (a train dataset node copied with its ``lazy_encode=True``): one line.
+    Held-out rows are few and read whole at every evaluation: encoded once, eagerly."""
+    loader = cfg.get("val_dataloader") or {}
+    if not isinstance(loader, dict) or not _encodes_lazily(loader.get("dataset")):
+        return []
+    return ["val_dataloader.dataset: lazy_encode=True is for training data; the validation rows are encoded once, "
+            "before training: set lazy_encode=False there, e.g. dataset=dict(train_dataset, lazy_encode=False, "
+            "buffer_size=None, ...)"]
 
 
 def _encodes_lazily(node: Any) -> bool:

@@ -229,6 +229,12 @@ def test_a_sampler_on_a_stream_is_one_line():
     cfg = Config(dict(train_dataloader=dict(dataset=dict(type=process_hf_dataset), sampler=dict(type="DefaultSampler"))))
     assert checks.stream_sampler_problems(cfg) == []
     cfg.train_dataloader.dataset.lazy_encode = True  # built, an iterable dataset too
+    assert checks.lazy_validation_problems(cfg) == []
+    cfg.val_dataloader = dict(dataset=dict(cfg.train_dataloader.dataset))  # the train node copied
+    assert checks.lazy_validation_problems(cfg) == [
+        "val_dataloader.dataset: lazy_encode=True is for training data; the validation rows are encoded once, "
+        "before training: set lazy_encode=False there, e.g. dataset=dict(train_dataset, lazy_encode=False, "
+        "buffer_size=None, ...)"]
     assert checks.stream_sampler_problems(cfg) == [
         "train_dataloader.sampler: process_hf_dataset with lazy_encode=True reads its rows in its own seeded order "
         "(seed and epoch), as a stream does; set sampler=None"]

