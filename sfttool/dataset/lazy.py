@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
 from sfttool.dataset.pack import pack_stream
-from sfttool.dataset.pipeline import number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, log
-from sfttool.dataset.resolve import dataset_config, resolve_dataset, source_name
+from sfttool.dataset.resolve import source_name
 from sfttool.dataset.streaming import StreamingPackedDataset, _reader
-from sfttool.registry import BUILDER
 
 # Rows encoded when the dataset is built, to estimate the packed rows of an epoch (``rows_per_epoch``).
 ESTIMATE_ROWS = 1000
@@ -40,21 +38,34 @@ ESTIMATE_ROWS = 1000
 # process_hf_dataset's arguments that only lazy encoding reads, with their defaults there.
 LAZY_SETTINGS = dict(buffer_size=1000, encode_chunk=64, rows_per_epoch=None)
 
+# process_hf_dataset's pipeline arguments lazy encoding knows (reads, refuses or ignores); another one set is
+# refused rather than ignored.
+PIPELINE_ARGS = ("dataset", "tokenizer", "max_length", "dataset_map_fn", "template_map_fn", "max_dataset_length",
+                 "split", "remove_unused_columns", "rename_maps", "shuffle_before_pack", "pack_to_max_length",
+                 "input_ids_with_output", "map_num_proc", "seed", "pack_strategy", "do_dataset_tokenization",
+                 "source", "skip_bad_rows")
 
-def lazy_dataset(args: dict, lazy_encode: bool, buffer_size: int | None, encode_chunk: int | None,
-                 rows_per_epoch: int | None, use_varlen_attn: bool, cache_dir: str | None) -> "LazyEncodedDataset":
-    """``process_hf_dataset(lazy_encode=True, ...)`` (``args``: its pipeline arguments): a
-    ``LazyEncodedDataset``. What would change the rows is refused; what has no meaning here is ignored
-    with one warning; a lazy-only setting without ``lazy_encode=True`` is an error, not ignored."""
+
+def lazy_dataset(args: dict, load_rows: Callable, lazy_encode: bool, buffer_size: int | None,
+                 encode_chunk: int | None, rows_per_epoch: int | None, use_varlen_attn: bool,
+                 cache_dir: str | None) -> "LazyEncodedDataset":
+    """``process_hf_dataset(lazy_encode=True, ...)`` (``args``: its pipeline arguments; ``load_rows``: its
+    loading stages): a ``LazyEncodedDataset``. What would change the rows is refused; what has no meaning
+    here is ignored with one warning; a lazy-only setting without ``lazy_encode=True`` is an error."""
     given = dict(buffer_size=buffer_size, encode_chunk=encode_chunk, rows_per_epoch=rows_per_epoch)
     check_lazy_settings(lazy_encode, given, args["rename_maps"], args["do_dataset_tokenization"],
                         args["pack_strategy"])
+    unknown = [name for name, value in args.items() if name not in PIPELINE_ARGS and value not in (None, False)]
+    if unknown:
+        raise DatasetError(f"{', '.join(unknown)}: not available with lazy_encode=True; remove lazy_encode")
     warn_ignored(args["map_num_proc"], cache_dir)
     settings = {name: LAZY_SETTINGS[name] if value is None else value for name, value in given.items()}
-    keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output", "split",
-            "source", "shuffle_before_pack", "max_dataset_length", "skip_bad_rows")
-    return LazyEncodedDataset(args["dataset"], args["tokenizer"], args["max_length"], use_varlen_attn=use_varlen_attn,
-                              **{name: args[name] for name in keep}, **settings)
+    source = args["source"] or source_name(args["dataset"])
+    rows = load_rows(args["dataset"], args["split"], args["max_dataset_length"], args["seed"])
+    keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output",
+            "shuffle_before_pack", "skip_bad_rows")
+    return LazyEncodedDataset(rows, args["tokenizer"], args["max_length"], source=source,
+                              use_varlen_attn=use_varlen_attn, **{name: args[name] for name in keep}, **settings)
 
 
 def check_lazy_settings(lazy_encode: bool, given: dict[str, int | None], rename_maps: Any,
@@ -106,9 +117,9 @@ def rank_rows(order: np.ndarray, rank: int, world: int) -> np.ndarray:
     return order[rank::world]
 
 
-@BUILDER.register_module()
 class LazyEncodedDataset(StreamingPackedDataset):
-    """A loaded ``datasets.Dataset`` encoded row by row as it is read (module docstring).
+    """Loaded rows (a numbered ``datasets.Dataset``, ``pipeline.load_rows``) encoded as they are read
+    (module docstring).
 
     ``len()``: the rows one rank reads per epoch: without packing, its share of the rows (fewer come
     out when rows are dropped); with packing, ``rows_per_epoch`` or an estimate from the first
@@ -119,23 +130,19 @@ class LazyEncodedDataset(StreamingPackedDataset):
 
     pass_kind = "Lazy"
 
-    def __init__(self, dataset: Any, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
+    def __init__(self, rows: Any, tokenizer: Any, max_length: int, dataset_map_fn: Any = None,
                  template_map_fn: Any = None, pack_to_max_length: bool = True, buffer_size: int = 1000,
                  seed: int = 0, input_ids_with_output: bool = True, encode_chunk: int = 64,
-                 rows_per_epoch: int | None = None, split: str = "train", source: str | None = None,
-                 shuffle_before_pack: bool = True, use_varlen_attn: bool = False,
-                 max_dataset_length: int | None = None, skip_bad_rows: bool = False):
-        source = source or source_name(dataset_config(dataset))
-        loaded = number_rows(resolve_dataset(dataset_config(dataset), split))
-        loaded = select_rows(loaded, max_dataset_length, seed, PipelineReport())  # the rows eager encoding reads
-        if len(loaded) == 0:
+                 rows_per_epoch: int | None = None, source: str | None = None, shuffle_before_pack: bool = True,
+                 use_varlen_attn: bool = False, skip_bad_rows: bool = False):
+        if len(rows) == 0:
             raise DatasetError(f"{source or 'dataset'}: no rows to train on: the dataset is empty")
-        super().__init__(loaded, tokenizer, max_length, dataset_map_fn, template_map_fn,
+        super().__init__(rows, tokenizer, max_length, dataset_map_fn, template_map_fn,
                          pack_to_max_length=pack_to_max_length, buffer_size=buffer_size, seed=seed,
                          input_ids_with_output=input_ids_with_output, encode_chunk=encode_chunk,
                          rows_per_epoch=rows_per_epoch, source=source, shuffle_before_pack=shuffle_before_pack,
                          use_varlen_attn=use_varlen_attn, skip_bad_rows=skip_bad_rows)
-        self.rows = len(loaded)
+        self.rows = len(rows)
         if pack_to_max_length and rows_per_epoch is None:
             self.rows_per_epoch = self.estimate_packed_rows()
 

@@ -21,12 +21,13 @@ from typing import Callable
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
 from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
                                    log_report, stage_recorder)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
+from sfttool.dataset.settings import check_settings  # noqa: F401  (imported from here too)
 from sfttool.dataset.stages import (NOTES_COLUMN, count_ignored_fields, count_notes, count_tokens, drop_empty_rows,
                                     drop_untrained_rows, fn_name, map_batch, map_batch_or_drop, missing_conversation,
                                     note_emptied, pretokenized_table, record_truncation, to_table)
@@ -384,7 +385,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 rows_per_epoch=rows_per_epoch)
     if any(value is not None and value is not False for value in lazy.values()):
         from sfttool.dataset.lazy import lazy_dataset
-        return lazy_dataset(args, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
+        return lazy_dataset(args, load_rows, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return cached_pipeline(cache_dir, args, run_pipeline)
@@ -398,15 +399,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
 process_hf_dataset.build_args_lazily = ("dataset",)
 
 
-def check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
-                    max_dataset_length=None) -> None:
-    from sfttool.dataset.pack import STRATEGIES
-    check_positive_int(max_length, "max_length")
-    if max_dataset_length is not None:
-        check_positive_int(max_dataset_length, "max_dataset_length", " or None")
-    if use_varlen_attn and not pack_to_max_length:
-        raise DatasetError("use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)")
-    if pack_strategy not in STRATEGIES:
-        raise DatasetError(f"pack_strategy must be one of {', '.join(STRATEGIES)}, got {pack_strategy!r}")
-    if with_image_token:
-        raise DatasetError("with_image_token (multimodal data) is not supported")
+def load_rows(dataset, split: str, max_dataset_length: int | None, seed: int):
+    """The rows the stages read, as ``run_pipeline`` loads them: built (local JSON checked line by line),
+    numbered, and ``max_dataset_length``'s seeded subset kept (``lazy_encode`` reads them from here)."""
+    return select_rows(number_rows(resolve_dataset(dataset, split)), max_dataset_length, seed, PipelineReport())

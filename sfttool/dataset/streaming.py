@@ -30,7 +30,7 @@ from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 # concat_samples and pack_buffer are imported from here too (benchmarks).
 from sfttool.dataset.pack import Sample, concat_samples, pack_buffer, pack_stream, single_sample_row  # noqa: F401
-from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
+from sfttool.dataset.settings import check_settings as check_pipeline_settings
 from sfttool.dataset.report import PipelineReport, count_split, log, split_lines, warning_lines
 from sfttool.dataset.resolve import dataset_config, pick_split, source_name
 from sfttool.dataset.source import read_explained

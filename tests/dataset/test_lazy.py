@@ -213,3 +213,13 @@ def test_the_packed_length_is_estimated_from_the_first_rows_or_taken_from_rows_p
     whole = build(rows, tiny_tokenizer, buffer_size=1000)  # the estimate packs all 40 rows: the exact count
     assert len(whole) == len(list(whole))
     assert len(build(rows, tiny_tokenizer, rows_per_epoch=7)) == 7
+
+
+def test_a_pipeline_argument_lazy_encoding_does_not_know_is_refused_not_ignored(rows, tiny_tokenizer):
+    """An argument process_hf_dataset gains later reaches lazy encoding in ``args``: set, it is an error."""
+    from sfttool.dataset.lazy import PIPELINE_ARGS, lazy_dataset
+
+    args = dict.fromkeys(PIPELINE_ARGS, None) | dict(rename_maps=[], do_dataset_tokenization=True,
+                                                     pack_strategy="bfd", image_folder="images")
+    with pytest.raises(DatasetError, match="^image_folder: not available with lazy_encode=True; remove lazy_encode$"):
+        lazy_dataset(args, None, True, None, None, None, False, None)
