@@ -167,17 +167,18 @@ class LazyEncodedDataset(StreamingPackedDataset):
             yield number, {name: values[k] for name, values in columns.items()}
 
     def __len__(self) -> int:
-        if self.rows_per_epoch is not None:
-            return self.rows_per_epoch
+        return self.rank_share() if self.rows_per_epoch is None else self.rows_per_epoch
+
+    def rank_share(self) -> int:
+        """The rows this rank reads per epoch (``rank_rows``)."""
         rank, world, _, _ = _reader()
-        return len(rank_rows(np.arange(self.rows), rank, world))
+        return len(range(rank, self.rows, world))
 
     def estimate_packed_rows(self) -> int:
         """Packed rows one rank reads per epoch, from the first rows of epoch 0 encoded and packed as the
         epoch packs them (``buffer_size`` at a time): the rank's rows x tokens per row / tokens per packed row.
         Exact for one reader of a dataset of at most ``ESTIMATE_ROWS`` rows."""
-        rank, world, _, _ = _reader()
-        share = len(rank_rows(np.arange(self.rows), rank, world))
+        share = self.rank_share()
         first = self.order(0)[:min(self.rows, ESTIMATE_ROWS)]
         samples = self.encoder(list(self._read(first)), self.source, PipelineReport())
         if not samples:

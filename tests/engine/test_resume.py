@@ -50,6 +50,7 @@ def test_a_lazily_encoded_run_resumes_bit_identically(tmp_path, tiny_config):
     with pytest.raises(Interrupted):
         train(str(cfg), work_dir=str(tmp_path / "resumed"), cfg_options=stop)
     resumed = train(str(cfg), work_dir=str(tmp_path / "resumed"), resume="auto")
+    assert "Resuming at iteration 32 (epoch 0, batch 32 of 30)" in sorted(resumed.glob("*/*.log"))[-1].read_text()
     a = load_file(full / "hf_adapter" / "adapter_model.safetensors")
     b = load_file(resumed / "hf_adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys()
