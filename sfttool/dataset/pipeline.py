@@ -399,7 +399,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
 process_hf_dataset.build_args_lazily = ("dataset",)
 
 
-def load_rows(dataset, split: str, max_dataset_length: int | None, seed: int):
-    """The rows the stages read, as ``run_pipeline`` loads them: built (local JSON checked line by line),
-    numbered, and ``max_dataset_length``'s seeded subset kept (``lazy_encode`` reads them from here)."""
-    return select_rows(number_rows(resolve_dataset(dataset, split)), max_dataset_length, seed, PipelineReport())
+def load_rows(dataset, split: str, max_dataset_length: int | None, seed: int, validate: bool = True):
+    """The rows the stages read, as ``run_pipeline`` loads them: built (local JSON checked line by line
+    unless not ``validate``), numbered, and ``max_dataset_length``'s seeded subset kept (``lazy_encode``
+    reads them from here)."""
+    dataset = resolve_dataset(dataset, split, validate)
+    return select_rows(number_rows(dataset), max_dataset_length, seed, PipelineReport())

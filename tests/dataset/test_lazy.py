@@ -223,3 +223,30 @@ def test_a_pipeline_argument_lazy_encoding_does_not_know_is_refused_not_ignored(
                                                      pack_strategy="bfd", image_folder="images")
     with pytest.raises(DatasetError, match="^image_folder: not available with lazy_encode=True; remove lazy_encode$"):
         lazy_dataset(args, None, True, None, None, None, False, None)
+
+
+def test_a_bad_line_or_row_of_a_json_file_is_one_line_naming_it(tmp_path, tiny_tokenizer):
+    """Local JSON is not checked line by line before training (a pass over the file in every process): a
+    line Arrow cannot read is named when the file is converted, a bad row when it is read."""
+    import json
+
+    from datasets import load_dataset
+
+    rows = assets.tiny_conversations(6)
+    lines = [json.dumps(r) for r in rows]
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines[:3] + [lines[3][:-5]] + lines[4:]) + "\n")
+    rows[4]["conversation"][0]["input"] = 5
+    assets.write_jsonl(tmp_path / "typed.jsonl", rows)
+
+    def read(name):
+        data = dict(type=load_dataset, path="json", data_files=str(tmp_path / name))
+        with pytest.raises(DatasetError) as exc:
+            list(process_hf_dataset(data, tiny_tokenizer, MAX_LENGTH, template_map_fn=template(), lazy_encode=True,
+                                    pack_to_max_length=False))
+        return str(exc.value)
+
+    assert read("cut.jsonl").startswith(f"{tmp_path / 'cut.jsonl'}, line 4: invalid JSON: the line ends before its "
+                                        "last object, array or string is closed")
+    assert read("typed.jsonl") == (f"{tmp_path / 'typed.jsonl'}, row 4, field 'conversation[0].input': expected a "
+                                   "string, got an int; fix the data or the dataset_map_fn so every turn's `system`, "
+                                   "`input` and `output` are strings")
