@@ -50,7 +50,7 @@ def eager_run(data_file: str, tokenizer, max_length: int) -> dict:
                 packing_efficiency=round(tokens / (len(packed) * max_length), 4))
 
 
-def startup(rows: int, tokenizer, max_length: int) -> dict:
+def startup(rows: int, tokenizer, max_length: int, folder: Path) -> dict:
     """Seconds to the first batch from a file of ``rows`` rows that datasets has converted to Arrow, as a
     training process meets it: eager (every line checked, then every row encoded and packed) and lazy (the
     length estimate's 1000 rows and the first buffer encoded). Besides: datasets' conversion (once per
@@ -58,7 +58,7 @@ def startup(rows: int, tokenizer, max_length: int) -> dict:
     from datasets import load_dataset
 
     from sfttool.dataset import load
-    data_file = str(write_rows(rows))
+    data_file = str(write_rows(rows, folder))
     _, convert = timed(lambda: load_dataset("json", data_files=data_file, split="train"))
     load._CHECKED.clear()  # a new process has checked nothing
     _, lazy = timed(lambda: next(iter(build(data_file, tokenizer, max_length, lazy_encode=True))))
@@ -79,9 +79,9 @@ def lazy_epoch(data_file: str, tokenizer, max_length: int, buffer_size: int) -> 
                 half_full_rows=sum(2 * n <= max_length for n in rows))
 
 
-def write_rows(rows: int) -> Path:
+def write_rows(rows: int, folder: Path) -> Path:
     from sfttool import assets
-    return assets.write_jsonl(Path(tempfile.mkdtemp()) / "rows.jsonl", conversations(rows))
+    return assets.write_jsonl(folder / f"rows_{rows}.jsonl", conversations(rows))
 
 
 def main() -> None:
@@ -95,13 +95,12 @@ def main() -> None:
     from transformers import AutoTokenizer
     tok_dir, tok_name = tokenizer_dir()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    starts = [startup(rows, tokenizer, args.max_length) for rows in args.rows]
-    eager = starts[0].pop("eager")
-    for start in starts[1:]:
-        start.pop("eager")
-    lazy = [lazy_epoch(starts[0]["data_file"], tokenizer, args.max_length, size) for size in args.buffers]
+    with tempfile.TemporaryDirectory() as folder:
+        starts = [startup(rows, tokenizer, args.max_length, Path(folder)) for rows in args.rows]
+        lazy = [lazy_epoch(starts[0]["data_file"], tokenizer, args.max_length, size) for size in args.buffers]
+    eager = starts[0]["eager"]
     for start in starts:
-        start.pop("data_file")
+        del start["eager"], start["data_file"]
     print(f"max_length {args.max_length}, {tok_name}; seconds to the first batch:")
     print(f"{'rows':>8} {'lazy':>6} {'eager':>7} {'(check)':>7} {'convert once':>12}")
     for start in starts:
