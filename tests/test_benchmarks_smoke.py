@@ -160,7 +160,8 @@ def test_lazy_packing_benchmark(tmp_path):
          "60", "--out", str(out)], tmp_path)
     report = json.loads(out.read_text())
     (start,) = report["startup"]
-    assert start["rows"] == 60 and all(start[f"{what}_seconds"] > 0 for what in ("convert", "check", "lazy", "eager"))
+    assert start["rows"] == 60 and start["lazy_seconds"] > 0 and start["eager_seconds"] > 0
+    assert start["convert_seconds"] >= 0 and start["check_seconds"] >= 0  # 60 rows: may round to 0.0
     eager = report["eager"]
     assert [r["buffer_size"] for r in report["lazy"]] == [8, 60]
     for r in report["lazy"]:  # every token packed
