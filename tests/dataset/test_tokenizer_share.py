@@ -17,10 +17,14 @@ def test_tokenizer_calls_are_timed_and_return_the_same_ids(tiny_tokenizer, monke
     spec.loader.exec_module(bench)
     texts = ["hello world " * 2000, "", "héllo 🙂"]
     expected = encode.batch_token_ids(tiny_tokenizer, texts)
-    clock = iter([10.0, 12.5, 20.0, 20.25])  # the process's CPU seconds read before and after each call
+    clock = iter([0.0, 10.0, 12.5, 20.0, 20.25, 30.0])  # the process's CPU seconds: start, each call, end
     monkeypatch.setattr(bench, "_cpu_seconds", lambda: next(clock))
-    spent = bench._time_tokenizer_calls()
-    assert spent == [0.0]
-    assert encode.batch_token_ids(tiny_tokenizer, texts) == expected
-    assert encode.batch_token_ids(tiny_tokenizer, texts[:1]) == expected[:1]
-    assert spent == [2.75]
+    original = encode.batch_token_ids
+    with bench.CpuMeter() as meter:
+        assert encode.batch_token_ids(tiny_tokenizer, texts) == expected
+        assert encode.batch_token_ids(tiny_tokenizer, texts[:1]) == expected[:1]
+    assert encode.batch_token_ids is original  # put back when the block ends
+    assert (meter.cpu_seconds, meter.tokenizer_cpu_seconds, meter.load_cpu_seconds) == (30.0, 2.75, 0.0)
+    assert meter.fractions(600, limit_per_cpu_s=40.0) == {  # 600 tokens in 30 s = 20 per s: half the limit
+        "cpu_fraction_of_limit": 0.5, "cpu_fraction_after_load": 0.5, "tokenizer_cpu_share": 0.092,
+        "load_cpu_seconds": 0.0}
