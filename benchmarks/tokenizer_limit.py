@@ -15,7 +15,8 @@ tokenizer's chat template):
 - the same per CPU second (the process's threads and its map processes), the
   figure that holds on a loaded machine, where wall-clock time does not;
 - the tokenizer calls' share of each pipeline run's CPU time, measured in the
-  same process (``tokenizer_cpu_share``);
+  same process (``tokenizer_cpu_share``; ``tokenizer_share_after_load`` of the
+  CPU time after ``load_dataset``);
 - ``load_dataset``'s own CPU time in each run (``load_cpu_seconds``: reading the
   file into Arrow, and its first use's imports), and the fraction of the limit
   by the CPU time of the pipeline's work after it (``cpu_fraction_after_load``).
@@ -163,6 +164,8 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
     cpu = meter.cpu_seconds
     share = {} if kind == "limit" else {"tokenizer_cpu_share": round(meter.tokenizer_cpu_seconds / cpu, 3),
                                         "load_cpu_seconds": round(meter.load_cpu_seconds, 2),
+                                        "tokenizer_share_after_load": round(meter.tokenizer_cpu_seconds
+                                                                            / meter.cpu_after_load, 3),
                                         "tokens_per_cpu_s_after_load": round(tokens / meter.cpu_after_load)}
     return {"case": case, "cores": cores, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
             "tokens": tokens, "tokens_per_s": round(tokens / seconds), "tokens_per_cpu_s": round(tokens / cpu),
@@ -208,6 +211,7 @@ class CpuMeter:
         return {"cpu_fraction_of_limit": round(tokens / self.cpu_seconds / limit_per_cpu_s, 3),
                 "cpu_fraction_after_load": round(tokens / self.cpu_after_load / limit_per_cpu_s, 3),
                 "tokenizer_cpu_share": round(self.tokenizer_cpu_seconds / self.cpu_seconds, 3),
+                "tokenizer_share_after_load": round(self.tokenizer_cpu_seconds / self.cpu_after_load, 3),
                 "load_cpu_seconds": round(self.load_cpu_seconds, 2)}
 
 
@@ -265,7 +269,7 @@ def main(argv=None) -> int:
     cases = CASES + tuple(f"{name}_{layout}" for name in entries for layout in ("packed", "unpacked"))
     results = []
     print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "
-          f"{'load s':>6} {'after load':>10} {'tokenizer':>9}")
+          f"{'load s':>6} {'after load':>10} {'tokenizer':>9} {'after load':>10}")
     for n in cores:
         limit = None
         for case in cases:
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%} "
                   f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} {r.get('load_cpu_seconds', 0):6.2f} "
-                  f"{r['cpu_fraction_after_load']:10.1%} {r.get('tokenizer_cpu_share', 1.0):9.1%}", flush=True)
+                  f"{r['cpu_fraction_after_load']:10.1%} {r.get('tokenizer_cpu_share', 1.0):9.1%} "
+                  f"{r.get('tokenizer_share_after_load', 1.0):10.1%}", flush=True)
     write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
                  template=args.template,
                  load_average=[round(x, 2) for x in os.getloadavg()], results=results)

@@ -27,4 +27,4 @@ def test_tokenizer_calls_are_timed_and_return_the_same_ids(tiny_tokenizer, monke
     assert (meter.cpu_seconds, meter.tokenizer_cpu_seconds, meter.load_cpu_seconds) == (30.0, 2.75, 0.0)
     assert meter.fractions(600, limit_per_cpu_s=40.0) == {  # 600 tokens in 30 s = 20 per s: half the limit
         "cpu_fraction_of_limit": 0.5, "cpu_fraction_after_load": 0.5, "tokenizer_cpu_share": 0.092,
-        "load_cpu_seconds": 0.0}
+        "tokenizer_share_after_load": 0.092, "load_cpu_seconds": 0.0}
