@@ -73,7 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="another encode entry point to measure: FUNCTION(tokenizer, data_file, max_length, packed, "
                         "template) -> tokens produced (FILE.py or an importable module); repeatable")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for entry in args.entry:
+        name, _, spec = entry.partition("=")
+        if not name or ":" not in spec or name in ("limit", "map", "stream"):
+            p.error(f"--entry {entry!r}: expected NAME=FILE.py:FUNCTION, NAME not limit, map or stream")
+    return args
 
 
 def texts_to_tokenize(data_file: str, tok, template: str) -> list[str]:
