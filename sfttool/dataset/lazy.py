@@ -2,8 +2,9 @@
 
 The data is loaded as ``process_hf_dataset`` loads it (Arrow, memory-mapped, rows numbered as in the
 file, ``max_dataset_length``'s seeded subset; local JSON is not checked line by line first, each row is
-checked when it is read), but nothing is mapped, templated or tokenized before training: the stream's stages (``streaming.StreamingEncoder``) run a chunk of rows at a time when the
-dataloader asks for them, in its workers, and packing is the stream's buffered best fit
+checked when it is read), but nothing is mapped, templated or tokenized before training: the stream's
+stages (``streaming.StreamingEncoder``) run a chunk of rows at a time when the dataloader asks for them,
+in its workers, and packing is the stream's buffered best fit
 (``pack.pack_stream``). A file of ten million rows starts training once it is loaded.
 
 Each epoch reads every row once, in an order seeded by ``seed`` and the epoch (file order with
