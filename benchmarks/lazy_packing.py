@@ -79,6 +79,21 @@ def lazy_epoch(data_file: str, tokenizer, max_length: int, buffer_size: int) -> 
                 half_full_rows=sum(2 * n <= max_length for n in rows))
 
 
+def tokenizer_limit_entry(tokenizer, data_file: str, max_length: int, packed: bool, template: str) -> int:
+    """One lazily encoded epoch read by one reader, from the JSON file to its last row; the tokens it gave.
+    For ``tokenizer_limit.py --entry lazy=benchmarks/lazy_packing.py:tokenizer_limit_entry`` (the fraction of
+    the tokenizer's own throughput). ``rows_per_epoch`` is set, so the length estimate's 1000 rows, encoded
+    once per run when it is not, are left out: an epoch's own work is measured."""
+    from datasets import load_dataset
+
+    from sfttool.dataset import process_hf_dataset
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    lazy = process_hf_dataset(dict(type=load_dataset, path="json", data_files=data_file), tokenizer, max_length,
+                              template_map_fn=template_map_fn_factory(template), pack_to_max_length=packed,
+                              lazy_encode=True, rows_per_epoch=1, seed=0)
+    return sum(len(row["input_ids"]) for row in lazy)
+
+
 def write_rows(rows: int, folder: Path) -> Path:
     from sfttool import assets
     return assets.write_jsonl(folder / f"rows_{rows}.jsonl", conversations(rows))
