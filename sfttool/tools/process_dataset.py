@@ -247,5 +247,8 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
             f"max_length={max_length}; re-run `sfttool process-dataset` with this config")
     log(f"Dataset: {manifest['rows']} processed rows from {path} (max_length {manifest['max_length']}, "
         f"fingerprint {manifest['fingerprint']}, config_hash {manifest['config_hash']})")
-    parts = [datasets.load_from_disk(str(Path(path) / DATA_DIR / s["name"])) for s in manifest["shards"]]
+    files = [str(Path(path) / DATA_DIR / s["name"]) for s in manifest["shards"]]
+    if manifest.get("format") == "parquet":  # written by `process-dataset --ray` (tools/process_ray.py)
+        return datasets.load_dataset("parquet", data_files=files, split="train")
+    parts = [datasets.load_from_disk(file) for file in files]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

@@ -1,0 +1,211 @@
+"""`sfttool process-dataset --ray`: on a local Ray of 2 worker processes, the same samples, report counts
+and (within 0.1 %) packing efficiency as the local command; the same shards for the same --shard-rows;
+a killed worker's block is run again without a duplicate or a missing row; `train` loads the folder."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+
+from sfttool import assets
+from sfttool.cli.main import cli
+from sfttool.config import load_config
+from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.pipeline import run_pipeline
+from sfttool.dataset.resolve import dataset_config
+from sfttool.registry import build
+from sfttool.tools.process_dataset import load_processed_dataset, process_dataset
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'sfttool[ray]'")
+
+from sfttool.tools.process_ray import pipeline_args, ray_process_dataset  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+CONFIG = '''
+from datasets import load_dataset
+from transformers import AutoTokenizer
+
+from sfttool.dataset import process_hf_dataset
+from sfttool.dataset.data_path import load_data_path
+from sfttool.dataset.map_fns import template_map_fn_factory
+from sfttool.utils import PROMPT_TEMPLATE
+{imports}
+max_length = 128
+tokenizer = dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path={tok!r})
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset={dataset},
+    tokenizer=tokenizer, max_length=max_length, dataset_map_fn={map_fn},
+    template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.qwen_chat),
+    pack_to_max_length=True, seed=0, max_dataset_length={subset})
+train_dataloader = dict(batch_size=1, dataset=train_dataset)
+'''
+
+# A map fn in a module the workers import (PYTHONPATH): it ends its own worker process the first time it
+# meets row "kill" (a marker file says it did), as a node failure would.
+KILLER = '''
+import os
+
+
+def kill_once(row):
+    if row["id"] == "kill" and not os.path.exists(os.environ["SFTTOOL_TEST_MARKER"]):
+        open(os.environ["SFTTOOL_TEST_MARKER"], "w").close()
+        os._exit(1)
+    return {"conversation": row["conversation"]}
+'''
+
+
+def write_config(tmp_path, tok_dir, data, map_fn=None, subset=None, name="cfg.py"):
+    dataset = (f"dict(type=load_dataset, path='json', data_files={[str(f) for f in data]!r})"
+               if isinstance(data, list) else f"dict(type=load_data_path, path={str(data)!r})")
+    path = tmp_path / name
+    path.write_text(CONFIG.format(tok=str(tok_dir), dataset=dataset, map_fn=map_fn, subset=subset,
+                                  imports="from ray_test_fns import kill_once" if map_fn else ""))
+    return load_config(path)
+
+
+def bad_rows() -> list[dict]:
+    """One row of each kind the pipeline drops: an empty conversation, a masked answer, a prompt past
+    max_length."""
+    long_prompt = " ".join(["word"] * 200)
+    return [{"conversation": []},
+            {"conversation": [{"input": "hi?", "output": "masked.", "output_with_loss": False}]},
+            {"conversation": [{"input": long_prompt, "output": "cut away."}]}]
+
+
+def write_data(folder, n: int, bad_at: tuple[int, ...], split_at: int) -> list:
+    """Two JSON Lines files (blank lines in the first) of ``n`` rows, the bad rows at ``bad_at``; row 250
+    has the id ``kill``."""
+    rows = assets.tiny_conversations(n, seed=3)
+    for i, bad in zip(bad_at, bad_rows()):
+        rows[i] = bad
+    rows = [{"id": "kill" if i == 250 else str(i), **row} for i, row in enumerate(rows)]
+    first = assets.write_jsonl(folder / "a.jsonl", rows[:split_at])
+    first.write_text(first.read_text().replace("\n", "\n\n", 3))
+    return [first, assets.write_jsonl(folder / "b.jsonl", rows[split_at:])]
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("ray_data"), 400, (5, 170, 333), 230)
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    """Ray with 2 worker CPUs (processes), for the whole module; the workers import ``ray_test_fns``."""
+    folder = tmp_path_factory.mktemp("ray_fns")
+    (folder / "ray_test_fns.py").write_text(KILLER)
+    sys.path.insert(0, str(folder))
+    env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]),
+           "SFTTOOL_TEST_MARKER": str(folder / "killed"), "OMP_NUM_THREADS": "1",
+           "HF_DATASETS_CACHE": os.environ["HF_DATASETS_CACHE"]}
+    os.environ.update(env)  # the driver's map fn and the workers read the same marker
+    ray.init(num_cpus=2, object_store_memory=200 * 1024 ** 2, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", runtime_env={"env_vars": env})
+    yield folder
+    ray.shutdown()
+    sys.path.remove(str(folder))
+
+
+def samples_of(dataset) -> Counter:
+    """Whole samples (input_ids, labels), cut out of packed rows by sample_lengths."""
+    out = Counter()
+    for row in dataset:
+        start = 0
+        for n in row["sample_lengths"]:
+            out[(tuple(row["input_ids"][start:start + n]), tuple(row["labels"][start:start + n]))] += 1
+            start += n
+    return out
+
+
+def local_report(cfg):
+    """The report of the local pipeline on the whole data (what process_hf_dataset logs)."""
+    node = cfg.train_dataloader.dataset
+    args = pipeline_args(node)
+    return run_pipeline(dataset=dataset_config(node["dataset"]), **{**args, "source": None, "map_num_proc": None})[1]
+
+
+def test_ray_equals_the_local_command(tmp_path, tiny_tokenizer_dir, local_ray):
+    """2 blocks of 4000 rows, one per worker, against the local command's one shard of 8000. Each block
+    leaves a few rows part-filled: at 4000 rows a block (~2,500 packed rows) that is 0.02 % here."""
+    data = write_data(tmp_path, 8000, (3999, 5, 6001), 2500)  # a new field early: datasets infers from the start
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data)
+    manifest = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=4000)
+    local = process_dataset(cfg, tmp_path / "local")
+    on_ray, here = load_processed_dataset(tmp_path / "ray"), load_processed_dataset(tmp_path / "local")
+    assert samples_of(on_ray) == samples_of(here)
+    assert len(samples_of(here)) > 7000  # not vacuous
+    assert [s["name"] for s in manifest["shards"]] == [f"shard-{i:05d}.parquet" for i in range(2)]
+    assert manifest["ray"]["blocks"] == 2 and manifest["ray"]["cpus"] == 2
+    assert manifest["tokens"] == local["tokens"] and manifest["trained_tokens"] == local["trained_tokens"]
+    assert len(local["shards"]) == 1
+    assert abs(manifest["packing_efficiency"] - local["packing_efficiency"]) <= 0.001
+    report, counted = local_report(cfg), manifest["report"]
+    assert counted["rows_in"] == report.rows_in == 8000
+    assert counted["dropped"] == report.dropped and len(report.dropped) == 3
+    assert counted["drop_examples"] == report.drop_examples  # the same rows named, from their blocks
+    assert counted["encoded"] == report.encoded and counted["truncated"] == report.truncated
+    assert counted["packed_samples"] == report.pack.samples == sum(samples_of(here).values())
+
+
+def test_same_shard_rows_give_the_same_shards(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
+    """A block is a local shard (the same rows, numbered alike, after the same seeded subset)."""
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files, subset=300)
+    on_ray = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=120)
+    local = process_dataset(cfg, tmp_path / "local", shard_rows=120)
+    assert [s["fingerprint"] for s in on_ray["shards"]] == [s["fingerprint"] for s in local["shards"]]
+    assert on_ray["fingerprint"] == local["fingerprint"] and len(on_ray["shards"]) == 3
+    assert on_ray["report"]["dropped"]["over max_dataset_length"] == 100
+
+
+def test_a_killed_worker_is_retried_without_duplicates(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
+    marker = local_ray / "killed"
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files, map_fn="kill_once")
+    manifest = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=100)
+    assert marker.exists()  # the worker holding row 250 did die
+    local = process_dataset(cfg, tmp_path / "local")  # the marker is there: nothing dies now
+    assert samples_of(load_processed_dataset(tmp_path / "ray")) == samples_of(load_processed_dataset(tmp_path / "local"))
+    assert manifest["report"]["rows_in"] == 400 and manifest["tokens"] == local["tokens"]
+    assert sorted(p.name for p in (tmp_path / "ray" / "data").iterdir()) == [s["name"] for s in manifest["shards"]]
+
+
+def test_cli_and_a_config_that_trains_from_it(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
+    from sfttool.dataset.collate_fns import default_collate_fn
+
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files[1])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--ray"])
+    assert result.exit_code == 0, result.output
+    assert "Packing efficiency" in result.output and json.loads((out / "manifest.json").read_text())["format"] == "parquet"
+    train_cfg = tmp_path / "train_from_disk.py"
+    train_cfg.write_text("from sfttool.tools.process_dataset import load_processed_dataset\n"
+                         f"train_dataset = dict(type=load_processed_dataset, path={str(out)!r}, max_length=128)\n"
+                         "train_dataloader = dict(batch_size=2, dataset=train_dataset)\n")
+    dataset = build(load_config(train_cfg).train_dataloader.dataset)
+    batch = default_collate_fn([dataset[0], dataset[1]])["data"]
+    assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
+    refused = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--ray", "--num-proc", "2"])
+    assert refused.exit_code != 0 and "--num-proc" in refused.output
+
+
+def test_a_bad_line_is_named_as_the_local_command_names_it(tmp_path, tiny_tokenizer_dir, local_ray):
+    data = assets.write_jsonl(tmp_path / "d.jsonl", assets.tiny_conversations(30, seed=1))
+    data.write_text(data.read_text() + '{"conversation": [{"input": "a", "output": \n')
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data)
+    with pytest.raises(DatasetError) as on_ray:
+        ray_process_dataset(cfg, tmp_path / "ray", shard_rows=10)
+    with pytest.raises(DatasetError) as local:
+        process_dataset(cfg, tmp_path / "local")
+    assert str(on_ray.value) == str(local.value) and "line 31" in str(on_ray.value)
+
+
+def test_what_ray_cannot_read_is_refused(tmp_path, tiny_tokenizer_dir, local_ray):
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps(assets.tiny_conversations(3)))
+    with pytest.raises(DatasetError, match="rows.json: a JSON array; --ray reads JSON Lines"):
+        ray_process_dataset(write_config(tmp_path, tiny_tokenizer_dir, array), tmp_path / "out")
