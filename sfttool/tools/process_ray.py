@@ -147,9 +147,11 @@ def process_blocks(batch, kind: str, args: dict, tmp: str):
 def process_block(block: dict, kind: str, args: dict, tmp: Path) -> dict:
     """Read a block, run the pipeline on it, write its shard: ``{index, shard, report, seconds}``, or
     ``{index, error}`` for bad data (the error the local command gives for it)."""
+    import ray
     from datasets import Dataset
-    summary: dict = {"index": block["index"], "shard": None, "pid": os.getpid()}
-    start = time.perf_counter()
+    summary: dict = {"index": block["index"], "shard": None, "pid": os.getpid(),
+                     "node": ray.get_runtime_context().get_node_id()}
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         table = read_block(kind, block)
     except reader_errors() as exc:
@@ -158,14 +160,16 @@ def process_block(block: dict, kind: str, args: dict, tmp: Path) -> dict:
     try:
         dataset, report = run_pipeline(Dataset(table, fingerprint=content_fingerprint(table)), **args)
     except NoRowsLeft as empty:  # every row of this block dropped: counted, no shard
-        return {**summary, "report": _slim(empty.report), "seconds": (read - start, time.perf_counter() - read, 0)}
+        return {**summary, "report": _slim(empty.report), "seconds": (read - start, time.perf_counter() - read, 0),
+                "cpu_seconds": time.process_time() - cpu}
     except DatasetError as exc:
         return {**summary, "error": str(exc)}
     processed = time.perf_counter()
     name = f"shard-{block['index']:05d}.{PARQUET}"
     write_parquet(dataset.data.table, tmp / name)
     return {**summary, "shard": shard_entry(name, dataset, args["max_length"]), "report": _slim(report),
-            "seconds": (read - start, processed - read, time.perf_counter() - processed)}
+            "seconds": (read - start, processed - read, time.perf_counter() - processed),
+            "cpu_seconds": time.process_time() - cpu}
 
 
 def write_parquet(table, path: Path) -> None:
@@ -223,9 +227,12 @@ def report_summary(report: PipelineReport) -> dict:
 
 
 def worker_figures(summaries: list[dict]) -> dict:
-    """Blocks, worker processes used, and the seconds the tasks spent reading, processing and writing
-    (summed over tasks: per worker, not wall-clock)."""
+    """Blocks, nodes and worker processes used, the seconds the tasks spent reading, processing and writing
+    and their CPU seconds (each summed over the tasks: worker time, not wall-clock)."""
     timed = [s["seconds"] for s in summaries if "seconds" in s]
     seconds = [round(sum(t[i] for t in timed), 3) for i in range(3)]
-    return {"blocks": len(summaries), "worker_processes": len({s["pid"] for s in summaries}),
-            "read_seconds": seconds[0], "pipeline_seconds": seconds[1], "write_seconds": seconds[2]}
+    cpu = round(sum(s.get("cpu_seconds", 0) for s in summaries), 3)
+    return {"blocks": len(summaries), "nodes_used": len({s["node"] for s in summaries}),
+            "worker_processes": len({(s["node"], s["pid"]) for s in summaries}),
+            "read_seconds": seconds[0], "pipeline_seconds": seconds[1], "write_seconds": seconds[2],
+            "cpu_seconds": cpu}
