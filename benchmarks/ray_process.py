@@ -3,8 +3,9 @@
 One JSONL file of generated conversations (``pipeline.conversations``), one config (qwen_chat template,
 packing to ``--max-length``), and:
 
-- **tokenizer alone**: the Rust tokenizer's batch encode of the exact texts the pipeline tokenizes, pinned
-  to 1 core (``tokenizer_limit.measure``): the limit one worker can reach;
+- **tokenizer alone**: the Rust tokenizer's batch encode of the exact texts the pipeline tokenizes
+  (``tokenizer_limit.run_limit``), in batches of 1000 texts as the pipeline's ``map`` sends them, pinned
+  to 1 core: the limit one worker can reach;
 - **local process-dataset**: ``process_dataset`` in one process (one shard), pinned to 1 core;
 - **ray, N workers**: ``ray_process_dataset`` on a local Ray of N worker CPUs, blocks of ``--shard-rows``
   raw rows; run twice, the first starting the worker processes (imports), the second on warm workers.
@@ -32,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from pipeline import conversations, tokenizer_dir  # noqa: E402  (the same generated rows and tokenizer)
 from report import write_report  # noqa: E402
-from tokenizer_limit import in_child  # noqa: E402
+from tokenizer_limit import run_limit, texts_to_tokenize  # noqa: E402
 
 CONFIG = '''
 from datasets import load_dataset
@@ -57,6 +58,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-rows", type=int, default=None, help="rows per block (default: rows / 4)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "ray_process.json")
     return p.parse_args(argv)
+
+
+def limit_run(tok_dir: str, data_file: str) -> dict:
+    """The tokenizer alone on the pipeline's texts, 1000 at a time, in this (spawned) process on 1 core."""
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:1]))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    texts = texts_to_tokenize(data_file, tok, "qwen_chat")
+    start, cpu = time.perf_counter(), time.process_time()
+    tokens = sum(run_limit(tok, texts[i:i + 1000]) for i in range(0, len(texts), 1000))
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu, "tokens": tokens}
 
 
 def local_run(cfg_path: str, out: str) -> dict:
@@ -114,10 +127,8 @@ def main(argv=None) -> int:
     cfg_path.write_text(CONFIG.format(tok=tok_dir, data=str(data_file), max_length=args.max_length))
     shard_rows = args.shard_rows or max(1, args.rows // 4)
 
-    limit = in_child("limit", 1, tok_dir, str(data_file), args.max_length)
-    results = [{"case": "tokenizer alone (1 core)", "workers": 1, "seconds": limit["seconds"],
-                "tokens": limit["tokens"], "tokens_per_s": limit["tokens_per_s"],
-                "tokens_per_worker_s": limit["tokens_per_s"], "tokens_per_cpu_s": limit["tokens_per_cpu_s"]}]
+    limit = _rates(spawned(limit_run, tok_dir, str(data_file)), None)
+    results = [{"case": "tokenizer alone (1 core)", "workers": 1, **limit}]
     local = spawned(local_run, str(cfg_path), str(folder / "local"))
     results.append({"case": "local process-dataset (1 core)", "workers": 1, **_rates(local, local["seconds"])})
     for workers in (int(w) for w in args.workers.split(",")):
@@ -125,7 +136,7 @@ def main(argv=None) -> int:
             results.append({"case": f"ray, {workers} worker(s), {run['run']}", "workers": workers,
                             "blocks": run["blocks"], **_rates(run, run["worker_seconds"])})
     for r in results:
-        r["fraction_of_limit"] = round(r["tokens_per_worker_s"] / limit["tokens_per_s"], 3)
+        r["fraction_of_limit"] = round(r["tokens_per_worker_s"] / limit["tokens_per_worker_s"], 3)
         r["cpu_fraction_of_limit"] = round(r["tokens_per_cpu_s"] / limit["tokens_per_cpu_s"], 3)
     print(f"{'case':34} {'seconds':>8} {'tokens/s':>9} {'per worker-s':>12} {'of limit':>8} {'per cpu-s':>9} "
           f"{'of limit':>8} {'packing':>8}")
@@ -138,12 +149,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _rates(run: dict, worker_seconds: float) -> dict:
-    return {"seconds": round(run["seconds"], 2), "tokens": run["tokens"],
-            "tokens_per_s": round(run["tokens"] / run["seconds"]),
-            "tokens_per_worker_s": round(run["tokens"] / worker_seconds),
-            "tokens_per_cpu_s": round(run["tokens"] / max(run["cpu_seconds"], 0.01)),
-            "packing_efficiency": run["packing_efficiency"]}
+def _rates(run: dict, worker_seconds: float | None) -> dict:
+    """Tokens per second of wall-clock, of worker time (default: wall-clock) and of CPU time."""
+    rates = {"seconds": round(run["seconds"], 2), "tokens": run["tokens"],
+             "tokens_per_s": round(run["tokens"] / run["seconds"]),
+             "tokens_per_worker_s": round(run["tokens"] / (worker_seconds or run["seconds"])),
+             "tokens_per_cpu_s": round(run["tokens"] / max(run["cpu_seconds"], 0.01))}
+    return {**rates, "packing_efficiency": run["packing_efficiency"]} if "packing_efficiency" in run else rates
 
 
 if __name__ == "__main__":

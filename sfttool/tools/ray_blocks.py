@@ -17,8 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.load import expand_data_files
 from sfttool.dataset.pipeline import subset_indices
+from sfttool.dataset.resolve import rows_config
+from sfttool.registry import type_name
 
 _BOM = b"\xef\xbb\xbf"
 
@@ -131,10 +135,6 @@ def input_files(dataset_cfg, key: str = "train_dataloader.dataset.dataset") -> t
     """``('json' | 'parquet', files)``: the local JSON Lines or Parquet files a dataset config loads
     (``load_data_path``, or ``load_dataset('json' | 'parquet', data_files=...)``), which Ray workers
     read block by block; anything else is an error saying what ``--ray`` reads."""
-    from sfttool.dataset.data_path import data_source
-    from sfttool.dataset.load import expand_data_files
-    from sfttool.dataset.resolve import rows_config
-    from sfttool.registry import type_name
     cfg = rows_config(dataset_cfg)
     name = type_name(cfg.get("type")) if isinstance(cfg, dict) else None
     source = data_source(cfg.get("path")) if name == "load_data_path" else cfg if name == "load_dataset" else {}
