@@ -98,8 +98,12 @@ def ray_session(address: str | None):
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        try:
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:  # no cluster there, or a bad address
+            raise ProcessedDatasetError(f"--ray {address or ''}: Ray could not start or connect: "
+                                        f"{str(exc).strip().splitlines()[0]}") from None
     try:
         resources = ray.cluster_resources()
         yield {"address": address or None, "nodes": len([n for n in ray.nodes() if n.get("Alive")]),
@@ -120,7 +124,8 @@ def _import_ray():
 def run_blocks(blocks: list[dict], kind: str, args: dict, tmp: Path) -> list[dict]:
     """One Ray Data task per block (``process_blocks``); the blocks' summaries, in block order."""
     import ray.data
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ray.data.DataContext.get_current().enable_progress_bars = False  # one line per block instead
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its execution plan and progress-bar notes
     items = [{"block": json.dumps(block)} for block in blocks]
     dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         process_blocks, batch_size=1, batch_format="pyarrow",

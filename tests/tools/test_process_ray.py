@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 
 from sfttool.tools.process_ray import pipeline_args, ray_process_dataset  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # Ray starts worker processes
 
 CONFIG = '''
 from datasets import load_dataset

@@ -18,7 +18,7 @@ from sfttool.tools.process_dataset import process_dataset
 
 pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'sfttool[ray]'")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # Ray starts worker processes
 
 CONFIG = '''
 from transformers import AutoTokenizer
