@@ -1,12 +1,18 @@
-"""`sfttool process-dataset --ray`: on a local Ray of 2 worker processes, the same samples, report counts
-and (within 0.1 %) packing efficiency as the local command; the same shards for the same --shard-rows;
-a killed worker's block is run again without a duplicate or a missing row; `train` loads the folder."""
+"""`sfttool process-dataset --ray` on two Ray nodes simulated on this machine (`ray start --head`, then
+`ray start --address=...`, one worker CPU each: 2 worker processes): the same samples, report counts and
+(within 0.1 %) packing efficiency as the local command, both nodes running blocks; the same shards for the
+same --shard-rows; a killed worker's block is run again without a duplicate or a missing row; the command
+joins the cluster by the head's address; `train` loads the folder."""
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -95,21 +101,44 @@ def data_files(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("ray_data"), 400, (5, 170, 333), 230)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    """Ray with 2 worker CPUs (processes), for the whole module; the workers import ``ray_test_fns``."""
+def cluster(tmp_path_factory):
+    """Two Ray nodes simulated on this machine, one worker CPU each (so 2 worker processes): `ray start
+    --head`, then `ray start --address=HEAD`; this process joins as a driver. `ray stop` tears both down
+    at the end, also after a failure. The workers import ``ray_test_fns`` (PYTHONPATH)."""
     folder = tmp_path_factory.mktemp("ray_fns")
     (folder / "ray_test_fns.py").write_text(KILLER)
-    sys.path.insert(0, str(folder))
+    # Token authentication, which the head may require, would need the token on every node: off here.
     env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]),
            "SFTTOOL_TEST_MARKER": str(folder / "killed"), "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": os.environ["HF_DATASETS_CACHE"]}
-    os.environ.update(env)  # the driver's map fn and the workers read the same marker
-    ray.init(num_cpus=2, object_store_memory=200 * 1024 ** 2, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", runtime_env={"env_vars": env})
-    yield folder
-    ray.shutdown()
-    sys.path.remove(str(folder))
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # for the nodes, and the driver's map fn reads the same marker
+    sys.path.insert(0, str(folder))
+    ray_cli, address = str(Path(sys.executable).with_name("ray")), f"127.0.0.1:{free_port()}"
+    node = ["--num-cpus=1", f"--object-store-memory={150 * 1024 ** 2}", "--node-ip-address=127.0.0.1"]
+
+    def run(*args: str) -> None:
+        done = subprocess.run([ray_cli, *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    try:
+        run("start", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false", *node)
+        run("start", f"--address={address}", *node)
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": env})
+        yield SimpleNamespace(folder=folder, address=address)
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+        sys.path.remove(str(folder))
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 def samples_of(dataset) -> Counter:
@@ -130,7 +159,7 @@ def local_report(cfg):
     return run_pipeline(dataset=dataset_config(node["dataset"]), **{**args, "source": None, "map_num_proc": None})[1]
 
 
-def test_ray_equals_the_local_command(tmp_path, tiny_tokenizer_dir, local_ray):
+def test_ray_equals_the_local_command(tmp_path, tiny_tokenizer_dir, cluster):
     """2 blocks of 4000 rows, one per worker, against the local command's one shard of 8000. Each block
     leaves a few rows part-filled: at 4000 rows a block (~2,500 packed rows) that is 0.02 % here."""
     data = write_data(tmp_path, 8000, (3999, 5, 6001), 2500)  # a new field early: datasets infers from the start
@@ -141,7 +170,8 @@ def test_ray_equals_the_local_command(tmp_path, tiny_tokenizer_dir, local_ray):
     assert samples_of(on_ray) == samples_of(here)
     assert len(samples_of(here)) > 7000  # not vacuous
     assert [s["name"] for s in manifest["shards"]] == [f"shard-{i:05d}.parquet" for i in range(2)]
-    assert manifest["ray"]["blocks"] == 2 and manifest["ray"]["cpus"] == 2
+    figures = manifest["ray"]
+    assert figures["blocks"] == 2 and (figures["nodes"], figures["cpus"], figures["nodes_used"]) == (2, 2, 2)
     assert manifest["tokens"] == local["tokens"] and manifest["trained_tokens"] == local["trained_tokens"]
     assert len(local["shards"]) == 1
     assert abs(manifest["packing_efficiency"] - local["packing_efficiency"]) <= 0.001
@@ -153,7 +183,7 @@ def test_ray_equals_the_local_command(tmp_path, tiny_tokenizer_dir, local_ray):
     assert counted["packed_samples"] == report.pack.samples == sum(samples_of(here).values())
 
 
-def test_same_shard_rows_give_the_same_shards(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
+def test_same_shard_rows_give_the_same_shards(tmp_path, tiny_tokenizer_dir, data_files, cluster):
     """A block is a local shard (the same rows, numbered alike, after the same seeded subset)."""
     cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files, subset=300)
     on_ray = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=120)
@@ -163,8 +193,8 @@ def test_same_shard_rows_give_the_same_shards(tmp_path, tiny_tokenizer_dir, data
     assert on_ray["report"]["dropped"]["over max_dataset_length"] == 100
 
 
-def test_a_killed_worker_is_retried_without_duplicates(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
-    marker = local_ray / "killed"
+def test_a_killed_worker_is_retried_without_duplicates(tmp_path, tiny_tokenizer_dir, data_files, cluster):
+    marker = cluster.folder / "killed"
     cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files, map_fn="kill_once")
     manifest = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=100)
     assert marker.exists()  # the worker holding row 250 did die
@@ -174,26 +204,7 @@ def test_a_killed_worker_is_retried_without_duplicates(tmp_path, tiny_tokenizer_
     assert sorted(p.name for p in (tmp_path / "ray" / "data").iterdir()) == [s["name"] for s in manifest["shards"]]
 
 
-def test_cli_and_a_config_that_trains_from_it(tmp_path, tiny_tokenizer_dir, data_files, local_ray):
-    from sfttool.dataset.collate_fns import default_collate_fn
-
-    cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files[1])
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--ray"])
-    assert result.exit_code == 0, result.output
-    assert "Packing efficiency" in result.output and json.loads((out / "manifest.json").read_text())["format"] == "parquet"
-    train_cfg = tmp_path / "train_from_disk.py"
-    train_cfg.write_text("from sfttool.tools.process_dataset import load_processed_dataset\n"
-                         f"train_dataset = dict(type=load_processed_dataset, path={str(out)!r}, max_length=128)\n"
-                         "train_dataloader = dict(batch_size=2, dataset=train_dataset)\n")
-    dataset = build(load_config(train_cfg).train_dataloader.dataset)
-    batch = default_collate_fn([dataset[0], dataset[1]])["data"]
-    assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
-    refused = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--ray", "--num-proc", "2"])
-    assert refused.exit_code != 0 and "--num-proc" in refused.output
-
-
-def test_a_bad_line_is_named_as_the_local_command_names_it(tmp_path, tiny_tokenizer_dir, local_ray):
+def test_a_bad_line_is_named_as_the_local_command_names_it(tmp_path, tiny_tokenizer_dir, cluster):
     data = assets.write_jsonl(tmp_path / "d.jsonl", assets.tiny_conversations(30, seed=1))
     data.write_text(data.read_text() + '{"conversation": [{"input": "a", "output": \n')
     cfg = write_config(tmp_path, tiny_tokenizer_dir, data)
@@ -204,8 +215,34 @@ def test_a_bad_line_is_named_as_the_local_command_names_it(tmp_path, tiny_tokeni
     assert str(on_ray.value) == str(local.value) and "line 31" in str(on_ray.value)
 
 
-def test_what_ray_cannot_read_is_refused(tmp_path, tiny_tokenizer_dir, local_ray):
+def test_what_ray_cannot_read_is_refused(tmp_path, tiny_tokenizer_dir, cluster):
     array = tmp_path / "rows.json"
     array.write_text(json.dumps(assets.tiny_conversations(3)))
     with pytest.raises(DatasetError, match="rows.json: a JSON array; --ray reads JSON Lines"):
         ray_process_dataset(write_config(tmp_path, tiny_tokenizer_dir, array), tmp_path / "out")
+
+
+def test_cli_joins_the_cluster_at_its_address(tmp_path, tiny_tokenizer_dir, data_files, cluster):
+    """The command, as a new driver, sent to the head by its address (last: the module's driver leaves)."""
+    from sfttool.dataset.collate_fns import default_collate_fn
+
+    ray.shutdown()
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, data_files[1])
+    out = tmp_path / "out"
+    refused = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--ray", "--num-proc", "2"])
+    assert refused.exit_code != 0 and "--num-proc" in refused.output
+    result = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--shard-rows", "60",
+                                      "--ray", cluster.address])
+    assert result.exit_code == 0, result.output
+    assert "Packing efficiency" in result.output and not ray.is_initialized()  # it left the cluster
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "parquet" and manifest["ray"]["address"] == cluster.address
+    assert (manifest["ray"]["nodes"], manifest["ray"]["blocks"], manifest["ray"]["nodes_used"]) == (2, 3, 2)
+    train_cfg = tmp_path / "train_from_disk.py"
+    train_cfg.write_text("from sfttool.tools.process_dataset import load_processed_dataset\n"
+                         f"train_dataset = dict(type=load_processed_dataset, path={str(out)!r}, max_length=128)\n"
+                         "train_dataloader = dict(batch_size=2, dataset=train_dataset)\n")
+    dataset = build(load_config(train_cfg).train_dataloader.dataset)
+    assert len(dataset) == manifest["rows"]
+    batch = default_collate_fn([dataset[0], dataset[1]])["data"]
+    assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
