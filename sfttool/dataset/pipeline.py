@@ -244,6 +244,9 @@ class NoRowsLeft(DatasetError):
             "; ".join(f"{n} dropped ({why})" for why, n in report.dropped.items()) or "the dataset is empty"))
         self.report = report
 
+    def __reduce__(self):  # to another process: the message, as a DatasetError (the report may hold datasets)
+        return DatasetError, (str(self),)
+
 
 def require_rows(dataset, report: PipelineReport):
     """Stop with the drop counts when nothing is left (instead of an empty-table crash later)."""

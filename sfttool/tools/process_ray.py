@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def ray_session(address: str | None):
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:
+        _require_listening(address)
         try:
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING)
@@ -111,6 +113,19 @@ def ray_session(address: str | None):
     finally:
         if started:
             ray.shutdown()
+
+
+def _require_listening(address: str | None) -> None:
+    """A ``HOST:PORT`` with nothing listening is said at once (``ray.init`` would retry for minutes)."""
+    host, _, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # 'auto', or a form ray.init reads itself
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ProcessedDatasetError(f"--ray {address}: nothing answers at {host}:{port} ({exc.strerror or exc}); "
+                                    f"start the cluster's head there (ray start --head --port={port}) or fix "
+                                    "the address") from None
 
 
 def _import_ray():

@@ -246,3 +246,11 @@ def test_cli_joins_the_cluster_at_its_address(tmp_path, tiny_tokenizer_dir, data
     assert len(dataset) == manifest["rows"]
     batch = default_collate_fn([dataset[0], dataset[1]])["data"]
     assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
+
+
+def test_an_address_with_nothing_there_is_said_at_once(tmp_path, tiny_tokenizer_dir, data_files):
+    ray.shutdown()  # (after the module's other tests) this process starts as a new driver
+    port = free_port()  # closed again: nothing listens there
+    result = CliRunner().invoke(cli, ["process-dataset", write_config(tmp_path, tiny_tokenizer_dir, data_files[1]).filename,
+                                      "--out", str(tmp_path / "out"), "--ray", f"127.0.0.1:{port}"])
+    assert result.exit_code == 1 and f"Error: --ray 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in result.output
