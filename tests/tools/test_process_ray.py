@@ -52,8 +52,8 @@ train_dataset = dict(
 train_dataloader = dict(batch_size=1, dataset=train_dataset)
 '''
 
-# A map fn in a module the workers import (PYTHONPATH): it ends its own worker process the first time it
-# meets row "kill" (a marker file says it did), as a node failure would.
+# Map fns in a module the workers import (PYTHONPATH): kill_once ends its own worker process the first time
+# it meets row "kill" (a marker file says it did), as a node failure would; refuse_bad fails on row "bad".
 KILLER = '''
 import os
 
@@ -63,6 +63,12 @@ def kill_once(row):
         open(os.environ["SFTTOOL_TEST_MARKER"], "w").close()
         os._exit(1)
     return {"conversation": row["conversation"]}
+
+
+def refuse_bad(row):
+    if row["id"] == "bad":
+        raise ValueError("a bad row")
+    return {"conversation": row["conversation"]}
 '''
 
 
@@ -71,7 +77,7 @@ def write_config(tmp_path, tok_dir, data, map_fn=None, subset=None, name="cfg.py
                if isinstance(data, list) else f"dict(type=load_data_path, path={str(data)!r})")
     path = tmp_path / name
     path.write_text(CONFIG.format(tok=str(tok_dir), dataset=dataset, map_fn=map_fn, subset=subset,
-                                  imports="from ray_test_fns import kill_once" if map_fn else ""))
+                                  imports=f"from ray_test_fns import {map_fn}" if map_fn else ""))
     return load_config(path)
 
 
@@ -213,6 +219,31 @@ def test_a_bad_line_is_named_as_the_local_command_names_it(tmp_path, tiny_tokeni
     with pytest.raises(DatasetError) as local:
         process_dataset(cfg, tmp_path / "local")
     assert str(on_ray.value) == str(local.value) and "line 31" in str(on_ray.value)
+
+
+def test_a_failing_map_fn_names_the_row_as_loaded(tmp_path, tiny_tokenizer_dir, cluster):
+    rows = [{"id": str(i), **row} for i, row in enumerate(assets.tiny_conversations(40, seed=1))]
+    rows[33]["id"] = "bad"  # in block 3 of 4
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, assets.write_jsonl(tmp_path / "d.jsonl", rows), map_fn="refuse_bad")
+    with pytest.raises(DatasetError) as on_ray:
+        ray_process_dataset(cfg, tmp_path / "ray", shard_rows=10)
+    with pytest.raises(DatasetError) as local:
+        process_dataset(cfg, tmp_path / "local")
+    assert str(on_ray.value) == str(local.value) and ", row 33: dataset_map_fn refuse_bad failed" in str(local.value)
+
+
+def test_parquet_files_are_read_by_row_groups(tmp_path, tiny_tokenizer_dir, cluster):
+    """Blocks of 70 rows over Parquet files of row groups of 25 rows: the local command's shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = assets.tiny_conversations(200, seed=5)
+    for name, part in (("a", rows[:90]), ("b", rows[90:])):
+        pq.write_table(pa.Table.from_pylist(part), tmp_path / f"{name}.parquet", row_group_size=25)
+    cfg = write_config(tmp_path, tiny_tokenizer_dir, tmp_path / "*.parquet")
+    on_ray = ray_process_dataset(cfg, tmp_path / "ray", shard_rows=70)
+    local = process_dataset(cfg, tmp_path / "local", shard_rows=70)
+    assert [s["fingerprint"] for s in on_ray["shards"]] == [s["fingerprint"] for s in local["shards"]]
+    assert len(on_ray["shards"]) == 3 and on_ray["report"]["rows_in"] == 200
 
 
 def test_what_ray_cannot_read_is_refused(tmp_path, tiny_tokenizer_dir, cluster):
