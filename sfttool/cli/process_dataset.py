@@ -54,6 +54,11 @@ def process_dataset(config, out_dir, num_proc, shard_rows, overwrite, ray_addres
     if efficiency is not None:
         click.echo(f"Packing efficiency {efficiency:.1%} of {manifest['max_length']} tokens per row; "
                    f"fingerprint {manifest['fingerprint']}")
+    if "ray" in manifest:
+        ray = manifest["ray"]
+        click.echo(f"Ray: {ray['blocks']} blocks on {ray['nodes_used']} of {ray['nodes']} node(s), "
+                   f"{ray['worker_processes']} worker processes, "
+                   f"{manifest['tokens'] / max(ray['cpu_seconds'], 0.01):,.0f} tokens per worker CPU second")
     click.echo("Use it: in PART 3 of the config, replace the train_dataset assignment (it must stay before "
                "train_dataloader, which copies it) with\n"
                "    from sfttool.tools.process_dataset import load_processed_dataset\n"

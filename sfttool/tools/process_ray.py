@@ -36,7 +36,7 @@ from sfttool.dataset.report import DROP_SUBSET, PipelineReport, log, log_report
 from sfttool.dataset.source import read_failure, reader_errors
 from sfttool.registry import build, resolve_type
 from sfttool.tools.process_dataset import (DATA_DIR, DEFAULT_SHARD_ROWS, MANIFEST, ProcessedDatasetError,
-                                           _manifest, _prepare_out_dir, dataset_config, shard_entry)
+                                           build_manifest, dataset_config, prepare_out_dir, shard_entry)
 from sfttool.tools.ray_blocks import input_files, plan_blocks, read_block
 
 PARQUET = "parquet"  # the manifest's ``format`` for these shards (the local command's are ``save_to_disk``'s)
@@ -60,17 +60,17 @@ def ray_process_dataset(cfg, out_dir: str | Path, address: str | None = None, ov
     args = pipeline_args(node)
     subset = args.pop("max_dataset_length")
     blocks, rows_in = plan_blocks(kind, files, shard_rows, args["seed"], subset)
-    _prepare_out_dir(out_dir, overwrite)
+    prepare_out_dir(out_dir, overwrite)
     tmp = out_dir / f".{DATA_DIR}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     with ray_session(address) as cluster:
         summaries = run_blocks(blocks, kind, args, tmp)
-    report, shards = gather(summaries, rows_in, sum(b["rows"] for b in blocks), args)
+    report, shards = gather(summaries, rows_in, sum(b["rows"] for b in blocks))
     for leftover in tmp.glob("*.tmp"):  # a killed attempt's part-written file
         leftover.unlink()
     tmp.rename(out_dir / DATA_DIR)
-    manifest = {**_manifest(cfg, node, shards, None, shard_rows), "format": PARQUET,
+    manifest = {**build_manifest(cfg, node, shards, None, shard_rows), "format": PARQUET,
                 "ray": {**cluster, **worker_figures(summaries)}, "report": report_summary(report)}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log_report(report, args["max_length"])
@@ -205,7 +205,7 @@ def _slim(report: PipelineReport) -> PipelineReport:
     return report
 
 
-def gather(summaries: list[dict], rows_in: int, used: int, args: dict) -> tuple[PipelineReport, list[dict]]:
+def gather(summaries: list[dict], rows_in: int, used: int) -> tuple[PipelineReport, list[dict]]:
     """The first block's error, if any, else one report for the run and the shards' manifest lines."""
     for summary in summaries:
         if "error" in summary:

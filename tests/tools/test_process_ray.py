@@ -265,7 +265,8 @@ def test_cli_joins_the_cluster_at_its_address(tmp_path, tiny_tokenizer_dir, data
     result = CliRunner().invoke(cli, ["process-dataset", cfg.filename, "--out", str(out), "--shard-rows", "60",
                                       "--ray", cluster.address])
     assert result.exit_code == 0, result.output
-    assert "Packing efficiency" in result.output and not ray.is_initialized()  # it left the cluster
+    assert "Packing efficiency" in result.output and "Ray: 3 blocks on 2 of 2 node(s)" in result.output
+    assert not ray.is_initialized()  # it left the cluster
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["format"] == "parquet" and manifest["ray"]["address"] == cluster.address
     assert (manifest["ray"]["nodes"], manifest["ray"]["blocks"], manifest["ray"]["nodes_used"]) == (2, 3, 2)
