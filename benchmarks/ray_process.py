@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
         packing = f"{r['packing_efficiency']:.2%}" if "packing_efficiency" in r else ""
         print(f"{r['case']:34} {r['seconds']:8.2f} {r['tokens_per_s']:9} {r['tokens_per_worker_s']:12} "
               f"{r['fraction_of_limit']:8.1%} {r['tokens_per_cpu_s']:9} {r['cpu_fraction_of_limit']:8.1%} {packing:>8}")
+    shutil.rmtree(folder, ignore_errors=True)
     write_report(args.out, "ray_process", rows=args.rows, max_length=args.max_length, shard_rows=shard_rows,
                  tokenizer=tok_name, load_average=[round(x, 2) for x in os.getloadavg()], results=results)
     return 0

@@ -5,11 +5,14 @@ same --shard-rows; a killed worker's block is run again without a duplicate or a
 joins the cluster by the head's address; `train` loads the folder."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,8 +119,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two Ray nodes simulated on this machine, one worker CPU each (so 2 worker processes): `ray start
-    --head`, then `ray start --address=HEAD`; this process joins as a driver. `ray stop` tears both down
-    at the end, also after a failure. The workers import ``ray_test_fns`` (PYTHONPATH)."""
+    --head`, then `ray start --address=HEAD`; this process joins as a driver. At the end, also after a
+    failure, the nodes' processes are stopped (``stop_nodes``). The workers import ``ray_test_fns``."""
     folder = tmp_path_factory.mktemp("ray_fns")
     (folder / "ray_test_fns.py").write_text(KILLER)
     # Token authentication, which the head may require, would need the token on every node: off here.
@@ -127,7 +130,8 @@ def cluster(tmp_path_factory):
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # for the nodes, and the driver's map fn reads the same marker
     sys.path.insert(0, str(folder))
-    ray_cli, address = str(Path(sys.executable).with_name("ray")), f"127.0.0.1:{free_port()}"
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+    ray_cli, port = str(Path(sys.executable).with_name("ray")), free_port()
     node = ["--num-cpus=1", f"--object-store-memory={150 * 1024 ** 2}", "--node-ip-address=127.0.0.1"]
 
     def run(*args: str) -> None:
@@ -135,16 +139,35 @@ def cluster(tmp_path_factory):
         assert done.returncode == 0, done.stdout + done.stderr
 
     try:
-        run("start", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false", *node)
-        run("start", f"--address={address}", *node)
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": env})
-        yield SimpleNamespace(folder=folder, address=address)
+        run("start", "--head", f"--port={port}", f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
+            "--include-dashboard=false", *node)
+        run("start", f"--address=127.0.0.1:{port}", *node)
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": env})
+        yield SimpleNamespace(folder=folder, address=f"127.0.0.1:{port}")
     finally:
         ray.shutdown()
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300)
+        stop_nodes([temp_dir, f":{port} "])
+        shutil.rmtree(temp_dir, ignore_errors=True)
         sys.path.remove(str(folder))
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def stop_nodes(marks: list[str]) -> None:
+    """Kill this test's Ray processes: those whose command line names its temp dir or its head's port, and
+    their children. (`ray stop` would stop every Ray node of the machine, a developer's own too.)"""
+    import psutil
+    mine = {}
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or []) + " "
+        if any(mark in line for mark in marks):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                mine.update({p.pid: p for p in [process, *process.children(recursive=True)]})
+    for process in mine.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(list(mine.values()), timeout=30)
 
 
 def samples_of(dataset) -> Counter:
