@@ -93,8 +93,11 @@ def flat_columns(flat: FlatSamples, max_length: int, why_untrained: Callable[[in
     position = np.arange(total) - np.repeat(np.cumsum(full) - full, full)  # [tokens]: in its sample
     kept, trained = position < max_length, labels != IGNORE_INDEX
     first = np.full(n, -1, np.int64)
-    samples_trained, at = np.unique(sample[trained], return_index=True)  # in order: the first is the earliest
-    first[samples_trained] = position[trained][at]
+    at = np.flatnonzero(trained)  # [trained tokens], in order
+    owner = sample[at]  # sorted: each sample's first trained token is where the owner changes (no sort needed)
+    starts = np.ones(len(at), bool)
+    np.not_equal(owner[1:], owner[:-1], out=starts[1:])
+    first[owner[starts]] = position[at[starts]]
     for i in np.flatnonzero(first < 0):
         first[i] = why_untrained(int(i))
     return {"input_ids": ids[kept], "labels": labels[kept],
