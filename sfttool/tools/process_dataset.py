@@ -26,6 +26,7 @@ from typing import Any
 from sfttool import __version__
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.pack import packing_efficiency
+from sfttool.dataset.lazy import LAZY_SETTINGS
 from sfttool.dataset.pipeline import number_rows, process_hf_dataset, select_rows
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset import resolve
@@ -159,8 +160,10 @@ def _shard_datasets(node: dict, shard_rows: int):
         yield dataset
         return
 
-    # Built once for all shards; the saved folder replaces any pipeline cache.
-    args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", "cache_dir")}
+    # Built once for all shards; the saved folder replaces any pipeline cache. Processing is encoding ahead:
+    # a config's lazy_encode (and its settings) are for training from the raw rows.
+    lazy = ("cache_dir", "lazy_encode", *LAZY_SETTINGS)
+    args = {k: build(v, f"{key}.{k}") for k, v in node.items() if k not in ("type", "dataset", *lazy)}
     dataset_cfg = resolve.dataset_config(node["dataset"])  # the raw data's node (this module's is the packed one's)
     args.setdefault("source", resolve.source_name(dataset_cfg))
     raw = resolve.resolve_dataset(dataset_cfg, args.pop("split", "train"))

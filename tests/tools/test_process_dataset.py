@@ -79,6 +79,17 @@ def test_saved_rows_equal_the_training_rows(tmp_path, tiny_tokenizer_dir, data_f
     assert again["fingerprint"] == manifest["fingerprint"]
 
 
+def test_a_lazily_encoded_config_is_processed_eagerly(tmp_path, tiny_tokenizer_dir, data_file):
+    """lazy_encode is a way to train from raw rows; process-dataset encodes ahead: the same rows as the
+    config without it."""
+    eager = load_config(write_config(tmp_path, tiny_tokenizer_dir, data_file))
+    path = write_config(tmp_path, tiny_tokenizer_dir, data_file, name="lazy.py")
+    path.write_text(path.read_text().replace("seed=0)", "seed=0, lazy_encode=True, buffer_size=50)"))
+    manifest = process_dataset(load_config(path), tmp_path / "out", shard_rows=1000)
+    assert rows_of(load_processed_dataset(tmp_path / "out")) == rows_of(build(eager.train_dataloader.dataset))
+    assert manifest["rows"] == len(build(eager.train_dataloader.dataset))
+
+
 def test_shards_keep_every_sample(tmp_path, tiny_tokenizer_dir, data_file):
     cfg = load_config(write_config(tmp_path, tiny_tokenizer_dir, data_file))
     manifest = process_dataset(cfg, tmp_path / "out", shard_rows=70)
