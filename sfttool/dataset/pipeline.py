@@ -389,6 +389,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     """
     check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                    max_dataset_length)
+    processor = build_processor(processor)
+    if processor is not None and tokenizer is None:
+        tokenizer = processor.tokenizer  # the processor's own: its chat template and image tokens
     args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
                 dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn,
                 max_dataset_length=max_dataset_length, split=split, remove_unused_columns=remove_unused_columns,
@@ -396,7 +399,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source,
-                skip_bad_rows=skip_bad_rows, processor=build_processor(processor), image_folder=image_folder)
+                skip_bad_rows=skip_bad_rows, processor=processor, image_folder=image_folder)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return with_pixels(cached_pipeline(cache_dir, args, run_pipeline), args["processor"])

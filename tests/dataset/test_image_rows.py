@@ -290,3 +290,24 @@ def test_process_hf_dataset_builds_the_processor_from_its_config(vlm_dirs, data)
     dataset = process_hf_dataset(dict(type=load_dataset, path="json", data_files=data[1]["llava"]), None, 256,
                                  dataset_map_fn="llava_map_fn", processor=config, pack_to_max_length=False)
     assert dataset[0]["pixel_values"].shape == (1, 3, 28, 28)
+
+
+def test_cached_image_rows_load_their_pixels(processors, data, tmp_path):
+    from datasets import load_dataset
+    processor = processors["qwen2_5_vl"]
+    args = dict(dataset=dict(type=load_dataset, path="json", data_files=data[1]["parts"]), tokenizer=None,
+                max_length=256, dataset_map_fn="openai_map_fn", processor=processor, cache_dir=str(tmp_path))
+    first, again = process_hf_dataset(**args), process_hf_dataset(**args)
+    assert len(list(tmp_path.iterdir())) == 1
+    assert again[0]["input_ids"] == first[0]["input_ids"]
+    assert torch.equal(again[0]["pixel_values"], first[0]["pixel_values"])
+
+
+def test_a_tokenizer_that_adds_bos_gets_it_as_the_processor_adds_it(tmp_path, tiny_tokenizer_bos_dir, data):
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(assets.build_tiny_vlm(tmp_path / "m", tiny_tokenizer_bos_dir, "llava"))
+    dataset, report = run(data[1]["llava"], processor, "llava_map_fn")
+    (messages, _), = bound_rows(report)
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"][0]
+    assert dataset[0]["input_ids"] == expected and expected[0] == processor.tokenizer.bos_token_id
+    assert dataset[0]["labels"][0] == IGNORE_INDEX
