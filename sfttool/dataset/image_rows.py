@@ -232,3 +232,15 @@ def images_of(messages: Sequence[dict]) -> list[str]:
     """The images of bound messages, in order."""
     return [part["image"] for m in messages if isinstance(m.get("content"), list)
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def refuse_unbound_images(conversations: Sequence[Any], rows: Sequence[int], source: str | None) -> None:
+    """Image parts reaching an encoder without a processor (a stream, a mix of sources): nothing would
+    expand them into their tokens or load their pixels, so the row is an error naming it."""
+    for conversation, row in zip(conversations, rows):
+        for turn in conversation if isinstance(conversation, list) else ():
+            messages = turn.get("messages") if isinstance(turn, dict) else None
+            if isinstance(messages, str) and ('"type": "image' in messages or '"type":"image' in messages):
+                raise DatasetError(f"{where(row, source)}: the row has images, which only process_hf_dataset "
+                                   "with processor=... encodes (the model's processor expands each image into "
+                                   "its tokens); see docs/multimodal.md")

@@ -311,3 +311,25 @@ def test_a_tokenizer_that_adds_bos_gets_it_as_the_processor_adds_it(tmp_path, ti
     expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"][0]
     assert dataset[0]["input_ids"] == expected and expected[0] == processor.tokenizer.bos_token_id
     assert dataset[0]["labels"][0] == IGNORE_INDEX
+
+
+def test_an_encoder_without_a_processor_refuses_image_parts(tiny_tokenizer):
+    from sfttool.dataset.encode import encode_batch
+    from sfttool.dataset.map_fns import openai_map_fn
+    row = openai_map_fn({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "Q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]})
+    with pytest.raises(DatasetError, match="data.jsonl, row 7: the row has images, which only process_hf_dataset "
+                                           "with processor=... encodes"):
+        encode_batch({"conversation": [row["conversation"]]}, [7], tiny_tokenizer, 64, hf_chat_template=True,
+                     source="data.jsonl")
+
+
+def test_text_only_content_parts_become_text():
+    from sfttool.dataset.map_fns import openai_map_fn
+    parts = openai_map_fn({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]})
+    assert parts == {"conversation": [{"system": "Be brief.", "input": "Hi there", "output": "Hello.",
+                                       "output_with_loss": True}]}
