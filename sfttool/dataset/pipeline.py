@@ -23,7 +23,7 @@ import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
-from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, bind_images, build_processor,
+from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, SIZES_COLUMN, bind_images, build_processor,
                                           check_image_template, count_cut_before_images, has_image_rows,
                                           processor_digest)
 from sfttool.dataset.pixels import with_pixels
@@ -162,7 +162,8 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
                     carry=[name for name in dataset.column_names if name not in remove], skip_bad_rows=skip_bad_rows)
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
-                                    template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor))
+                                    template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor),
+                                    _images_digest(dataset))
     desc = f"{'Templating and tokenizing' if template_map_fn else 'Tokenizing'} ({mode} mode)"
     dataset = dataset.map(template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc,
                           remove_columns=remove, features=_encoded_features(dataset, remove, processor is not None),
@@ -172,6 +173,14 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     if hf_chat_template:
         count_split(report, _row_numbers(dataset))
     return dataset
+
+
+def _images_digest(dataset) -> str | None:
+    """The images' paths and sizes as read from disk this run (the image stage is never cached): an image
+    replaced by one of another size changes the encoded samples."""
+    if SIZES_COLUMN not in dataset.column_names:
+        return None
+    return content_fingerprint(dataset.select_columns([IMAGES_COLUMN, SIZES_COLUMN]).with_format("arrow")[:])
 
 
 def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: PipelineReport) -> None:

@@ -281,6 +281,8 @@ def test_a_changed_image_is_a_clear_error_when_its_row_is_read(processors, tmp_p
     assets.write_png(image, 112, 112, 0)
     with pytest.raises(DatasetError, match=f"images {image} has 1 image tokens but its pixels make 16"):
         dataset[0]
+    rebuilt, _ = run(str(path), processor, "openai_map_fn")  # datasets' map cache does not hide the change
+    assert rebuilt[0]["input_ids"].count(processor.image_token_id) == 16
 
 
 def test_process_hf_dataset_builds_the_processor_from_its_config(vlm_dirs, data):
