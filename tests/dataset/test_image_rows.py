@@ -335,3 +335,21 @@ def test_text_only_content_parts_become_text():
         {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]})
     assert parts == {"conversation": [{"system": "Be brief.", "input": "Hi there", "output": "Hello.",
                                        "output_with_loss": True}]}
+
+
+def test_processed_image_rows_load_their_pixels_with_the_processor(processors, vlm_dirs, data, tmp_path):
+    from datasets import load_dataset
+    from mmengine.config import Config
+    from transformers import AutoProcessor
+
+    from sfttool.tools.process_dataset import ProcessedDatasetError, load_processed_dataset, process_dataset
+    processor = dict(type=AutoProcessor.from_pretrained, pretrained_model_name_or_path=str(vlm_dirs["qwen2_5_vl"]))
+    node = dict(type=process_hf_dataset, dataset=dict(type=load_dataset, path="json", data_files=data[1]["parts"]),
+                processor=processor, max_length=256, dataset_map_fn="openai_map_fn")
+    process_dataset(Config(dict(train_dataloader=dict(dataset=node))), tmp_path / "out")
+    with pytest.raises(ProcessedDatasetError, match="the rows hold images: set processor="):
+        load_processed_dataset(tmp_path / "out")
+    loaded = load_processed_dataset(tmp_path / "out", processor=processor)
+    direct = process_hf_dataset(**{k: v for k, v in node.items() if k != "type"})
+    assert loaded[0]["input_ids"] == direct[0]["input_ids"] and loaded[0]["images"] == direct[0]["images"]
+    assert torch.equal(loaded[0]["pixel_values"], direct[0]["pixel_values"])
