@@ -300,6 +300,9 @@ def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, in
     rows = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
     check_batch(conversations, rows, source, input_ids_with_output)
     if processor is not None:
+        if not input_ids_with_output:
+            raise DatasetError("with processor=..., rows are encoded with their answers: "
+                               "set input_ids_with_output=True")
         return _processor_samples(batch, rows, processor, source, chat_options, skip_bad_rows)
     refuse_unbound_images(conversations, rows, source)
     if hf_chat_template:

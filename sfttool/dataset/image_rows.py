@@ -154,7 +154,8 @@ def _open(path: str):
     return Image.open(path)
 
 
-def _name(path: str) -> str:
+def image_name(path: str) -> str:
+    """A path as messages print it (a data: URI shortened)."""
     return f"{path[:40]}..." if path.startswith("data:") else path
 
 
@@ -169,7 +170,7 @@ def image_size(path: str, row: int, source: str | None) -> list[int]:
             width, height = image.size
             rotated = image.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
     except (UnidentifiedImageError, OSError, ValueError, binascii.Error, SyntaxError) as exc:
-        raise ImageRowError(f"{where(row, source)}: image {_name(path)} cannot be read "
+        raise ImageRowError(f"{where(row, source)}: image {image_name(path)} cannot be read "
                             f"({type(exc).__name__}: {exc}); replace or remove it", DROP_UNREADABLE) from None
     return [width, height] if rotated else [height, width]
 

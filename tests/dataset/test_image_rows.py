@@ -133,13 +133,11 @@ def bad_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_images")
     assets.write_png(root / "ok.png", 28, 28, 0)
     (root / "corrupt.png").write_bytes(b"not a png at all")
-    rows = [
-        {"image": "ok.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}]},
-        {"image": "gone.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}]},
-        {"image": "corrupt.png", "conversations": [{"from": "human", "value": "<image>Q"}, {"from": "gpt", "value": "A"}]},
-        {"image": "ok.png", "conversations": [{"from": "human", "value": "no placeholder"}, {"from": "gpt", "value": "A"}]},
-        {"image": "ok.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "B"}]},
-    ]
+    def row(image, question, answer="A"):
+        return {"image": image, "conversations": [{"from": "human", "value": question},
+                                                  {"from": "gpt", "value": answer}]}
+    rows = [row("ok.png", "<image>\nQ"), row("gone.png", "<image>\nQ"), row("corrupt.png", "<image>Q"),
+            row("ok.png", "no placeholder"), row("ok.png", "<image>\nQ", "B")]
     path = assets.write_jsonl(root / "rows.jsonl", rows)
     return root, str(path)
 
