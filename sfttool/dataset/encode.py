@@ -57,8 +57,8 @@ from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_col
                                             piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
-from sfttool.dataset.image_tokens import (expand_placeholders, image_token, image_token_counts, image_token_id,
-                                          with_special_tokens)
+from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
+                                          image_token_id, with_special_tokens)
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
@@ -226,7 +226,6 @@ class Encoded:
         the ``images`` column (the images each sample keeps whole)."""
         if self.images is None:
             return max_length, {}
-        from sfttool.dataset.image_tokens import image_limits
         limits, whole = image_limits(self.flat.ids, self.flat.lengths, self.image_token_id, self.image_counts,
                                      max_length)
         return limits, {"images": [list(images[:n]) for images, n in zip(self.images, whole.tolist())]}

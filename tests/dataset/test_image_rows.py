@@ -351,3 +351,11 @@ def test_processed_image_rows_load_their_pixels_with_the_processor(processors, v
     direct = process_hf_dataset(**{k: v for k, v in node.items() if k != "type"})
     assert loaded[0]["input_ids"] == direct[0]["input_ids"] and loaded[0]["images"] == direct[0]["images"]
     assert torch.equal(loaded[0]["pixel_values"], direct[0]["pixel_values"])
+
+
+def test_image_rows_are_not_streamed(tiny_tokenizer, processors):
+    from datasets import Dataset
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    with pytest.raises(DatasetError, match=r"image-text rows \(processor=...\) are not streamed"):
+        StreamingPackedDataset(Dataset.from_list([{"conversation": [{"input": "Q", "output": "A"}]}]),
+                               tiny_tokenizer, 64, processor=processors["llava"])
