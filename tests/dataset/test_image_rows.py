@@ -359,3 +359,16 @@ def test_image_rows_are_not_streamed(tiny_tokenizer, processors):
     with pytest.raises(DatasetError, match=r"image-text rows \(processor=...\) are not streamed"):
         StreamingPackedDataset(Dataset.from_list([{"conversation": [{"input": "Q", "output": "A"}]}]),
                                tiny_tokenizer, 64, processor=processors["llava"])
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA"])
+def test_pixels_of_grey_and_transparent_images_are_the_processors(processors, tmp_path, mode):
+    from PIL import Image
+    processor = processors["qwen2_5_vl"]
+    Image.open(assets.write_png(tmp_path / "rgb.png", 56, 28, 4)).convert(mode).save(tmp_path / "x.png")
+    path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["x.png"], "messages": [
+        {"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}]}])
+    dataset, report = run(str(path), processor, "openai_map_fn")
+    (messages, _), = bound_rows(report)
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(dataset[0]["pixel_values"], expected["pixel_values"])
