@@ -190,6 +190,10 @@ def bind_row(conversation: list[dict], given: Any, image_folder: str | None, dat
             turns.append((turn, None))
             continue
         bound = [_with_parts(m, bool(row_images)) for m in messages]
+        wrong = next((m.get("role") for m, refs in bound if refs and m.get("role") != "user"), None)
+        if wrong is not None:
+            raise DatasetError(f"{where(row, source)}: an image in a message of role {wrong!r}; images go in user messages "
+                               "(the model reads them, it is not trained to produce them)")
         references += [ref for _, refs in bound for ref in refs]
         turns.append((turn, [m for m, _ in bound]))
     references = _fill(references, row_images, row, source)

@@ -386,3 +386,15 @@ def test_pixels_of_grey_and_transparent_images_are_the_processors(processors, tm
     (messages, _), = bound_rows(report)
     expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
     assert torch.equal(dataset[0]["pixel_values"], expected["pixel_values"])
+
+
+def test_images_outside_user_messages_are_refused(processors, tmp_path):
+    from sfttool.dataset.map_fns import MapFnError, openai_map_fn
+    with pytest.raises(MapFnError, match=r"messages\[0\] is a system message with an image; images go in user"):
+        openai_map_fn({"messages": [{"role": "system", "content": [{"type": "image", "image": "a.png"}]},
+                                    {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
+    assets.write_png(tmp_path / "a.png", 28, 28, 0)
+    path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["a.png"], "messages": [
+        {"role": "user", "content": "Q"}, {"role": "assistant", "content": "Look: <image>"}]}])
+    with pytest.raises(DatasetError, match="x.jsonl, row 0: an image in a message of role 'assistant'; images go in user"):
+        run(str(path), processors["qwen2_5_vl"], "openai_map_fn")
