@@ -398,3 +398,14 @@ def test_images_outside_user_messages_are_refused(processors, tmp_path):
         {"role": "user", "content": "Q"}, {"role": "assistant", "content": "Look: <image>"}]}])
     with pytest.raises(DatasetError, match="x.jsonl, row 0: an image in a message of role 'assistant'; images go in user"):
         run(str(path), processors["qwen2_5_vl"], "openai_map_fn")
+
+
+def test_relative_paths_are_read_from_each_rows_own_data_file_folder(processors, tmp_path):
+    files = []
+    for name, size in (("a", 28), ("b", 112)):
+        assets.write_png(tmp_path / name / "img.png", size, size, 0)
+        files.append(str(assets.write_jsonl(tmp_path / name / "rows.jsonl", [{"image": "img.png", "conversations": [
+            {"from": "human", "value": "<image>Q"}, {"from": "gpt", "value": "A"}]}])))
+    dataset, _ = run(files, processors["qwen2_5_vl"], "llava_map_fn")
+    assert [row["images"] for row in dataset] == [[str(tmp_path / "a" / "img.png")], [str(tmp_path / "b" / "img.png")]]
+    assert [row["input_ids"].count(processors["qwen2_5_vl"].image_token_id) for row in dataset] == [1, 16]
