@@ -60,6 +60,7 @@ from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbou
 from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
                                           image_token_id, with_special_tokens)
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
+from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
@@ -381,6 +382,7 @@ def _processor_samples(batch: dict[str, list], rows: list[int], processor: Any, 
         per_row.append(len(samples))
     encoded = with_special_tokens(tokenizer, texts, batch_token_ids(tokenizer, texts, with_offsets=True))
     flat = span_samples(encoded, texts, spans)
+    flat.labels[flat.ids == image_token_id(processor)] = IGNORE_INDEX  # images are read, never produced
     return Encoded(flat, _repeat(rows, per_row), per_row, conversations, refused, images=images,
                    image_counts=counts, image_token_id=image_token_id(processor))
 
