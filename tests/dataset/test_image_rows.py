@@ -409,3 +409,18 @@ def test_relative_paths_are_read_from_each_rows_own_data_file_folder(processors,
     dataset, _ = run(files, processors["qwen2_5_vl"], "llava_map_fn")
     assert [row["images"] for row in dataset] == [[str(tmp_path / "a" / "img.png")], [str(tmp_path / "b" / "img.png")]]
     assert [row["input_ids"].count(processors["qwen2_5_vl"].image_token_id) for row in dataset] == [1, 16]
+
+
+def test_llava_map_fn_is_xtuners_and_is_suggested_for_llava_rows():
+    from sfttool.dataset.map_fns import llava_map_fn
+    from sfttool.dataset.map_fns.suggest import fitting_map_fn
+    row = {"image": "a.jpg", "conversations": [
+        {"from": "gpt", "value": "skipped"}, {"from": "human", "value": "What is this?\n<image>"},
+        {"from": "gpt", "value": "A cat."}, {"from": "human", "value": "<image> <image> both?"},
+        {"from": "gpt", "value": "Yes."}]}
+    notes = []
+    assert llava_map_fn(row, notes) == {"conversation": [{"input": "<image>\nWhat is this?", "output": "A cat."},
+                                                         {"input": "<image> <image> both?", "output": "Yes."}]}
+    assert notes == ["conversation starts with an assistant message (dropped: nothing asked it)"]
+    assert fitting_map_fn(row) == "llava_map_fn"
+    assert fitting_map_fn({"conversations": row["conversations"]}) == "sharegpt_map_fn"
