@@ -396,7 +396,7 @@ def test_images_outside_user_messages_are_refused(processors, tmp_path):
     assets.write_png(tmp_path / "a.png", 28, 28, 0)
     path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["a.png"], "messages": [
         {"role": "user", "content": "Q"}, {"role": "assistant", "content": "Look: <image>"}]}])
-    with pytest.raises(DatasetError, match="x.jsonl, row 0: an image in a message of role 'assistant'; images go in user"):
+    with pytest.raises(DatasetError, match="x.jsonl, row 0: an image in a message of role 'assistant'; images go"):
         run(str(path), processors["qwen2_5_vl"], "openai_map_fn")
 
 
