@@ -32,7 +32,8 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
-from sfttool.model.vision import freeze_vision, is_vision_language, packed_position_ids, uses_multimodal_rope
+from sfttool.model.vision import (freeze_vision, image_inputs, is_vision_language, multimodal_position_ids,
+                                  uses_multimodal_rope)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -199,12 +200,13 @@ class SupervisedFinetune(BaseModel):
         kwargs = dict(attention_mask=None, use_cache=False)
         if split is None:
             split = self._row_split(position_ids)
+        images = image_inputs(data)  # the batch's pixels (and grids), as the processor gave them
         if split is not None:
             input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
             kwargs["sequence_parallel"] = split
-        elif self.multimodal_rope:
-            position_ids = packed_position_ids(position_ids)
-        return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
+        elif self.multimodal_rope:  # each packed sample's own 3-D positions around its images
+            position_ids = multimodal_position_ids(self.llm, input_ids, position_ids, images.get("image_grid_thw"))
+        return dict(kwargs, input_ids=input_ids, position_ids=position_ids, **images), flat, split
 
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:
         """The logits of ``self.llm`` (or of another ``llm``, e.g. a frozen reference copy, run

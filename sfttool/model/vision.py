@@ -13,7 +13,11 @@ What is vision is found by structure, not by class name: every parameter outside
 Models with multimodal rotary positions (Qwen2-VL's ``mrope``: one position per temporal, height and
 width axis) take a packed batch's positions as four rows: the text positions, which mark where each
 packed sample starts, then the three axes, which for text are the same positions
-(``packed_position_ids``).
+(``packed_position_ids``) and around images are what the model computes for each sample alone
+(``multimodal_position_ids``).
+
+Image-text batches carry the processor's image tensors (``IMAGE_KEYS``) for all images of the batch in
+row order then token order; they go to the model as they are.
 """
 from __future__ import annotations
 
@@ -97,6 +101,76 @@ def packed_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     attention mask keeps packed samples apart) and the temporal, height and width positions, which for
     text equal them (what the model computes itself for one unpacked text row)."""
     return position_ids.unsqueeze(0).expand(4, *position_ids.shape)
+
+
+# The processor outputs an image-text batch hands to the model: Qwen2-VL's patches [total_patches, C*T*P*P]
+# and grids [n_images, 3]; LLaVA's pixels [n_images, 3, H, W] (LLaVA-NeXt adds image_sizes [n_images, 2]).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+def image_inputs(data: dict) -> dict[str, torch.Tensor]:
+    """The image tensors of a collated batch (``IMAGE_KEYS`` present in it); {} for a text batch."""
+    return {key: data[key] for key in IMAGE_KEYS if data.get(key) is not None}
+
+
+def multimodal_decoder(llm: Any) -> Any:
+    """The module that turns ``input_ids`` and the image tensors into the language model's last hidden
+    states (an image-text-to-text class's ``model``: vision tower, projector and language model), or None
+    for a text-only model. The chunked loss runs it in place of ``get_decoder()``, which sees text only."""
+    base = base_model(llm)
+    if not is_vision_language(base):
+        return None
+    inner = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    return inner if isinstance(inner, torch.nn.Module) and inner is not base else None
+
+
+def token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` ids -> ``[batch, seq]`` modality of each token as the processor's
+    ``mm_token_type_ids`` gives it: 0 text, 1 image, 2 video."""
+    types = torch.zeros_like(input_ids)
+    for kind, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, name, None)
+        if token is not None:
+            types = types.masked_fill(input_ids == token, kind)
+    return types
+
+
+def multimodal_position_ids(llm: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, seq]`` packed ids and text positions -> ``[4, batch, seq]`` positions: the text positions,
+    then for each packed sample the model's own ``get_rope_index`` of that sample alone (what it computes
+    when the sample is its whole input). ``image_grid_thw`` [n_images, 3] lists the batch's images in row
+    order then token order; a sample takes as many as cover its image tokens.
+
+    Two samples [text, image of grid (1, 2, 2), text] packed -> row 0: 0 1 2 | 0 1 2 (one merged image
+    token) ..., rows 1-3: each sample's own 3-D positions."""
+    positions = packed_position_ids(position_ids)
+    if image_grid_thw is None:
+        return positions
+    base = base_model(llm)
+    model = getattr(base, "model", base)  # get_rope_index lives on the multimodal model
+    merge = base.config.vision_config.spatial_merge_size
+    types = token_types(base.config, input_ids)
+    positions, grids = positions.clone(), iter(image_grid_thw)
+    for row in range(input_ids.shape[0]):
+        starts = (position_ids[row] == 0).nonzero().flatten().tolist() + [input_ids.shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            wanted, own = int((types[row, start:end] == 1).sum()), []
+            while wanted > 0:
+                grid = next(grids, None)
+                if grid is None:
+                    raise ValueError("the batch has more image tokens than image_grid_thw covers")
+                own.append(grid)
+                wanted -= int(grid.prod()) // merge ** 2
+            if wanted < 0:
+                raise ValueError(f"row {row}: image_grid_thw does not match the image tokens of the sample "
+                                 f"at position {start} (an image split between samples)")
+            if own:
+                rope, _ = model.get_rope_index(input_ids[row:row + 1, start:end],
+                                               mm_token_type_ids=types[row:row + 1, start:end],
+                                               image_grid_thw=torch.stack(own))
+                positions[1:, row, start:end] = rope[:, 0]
+    return positions
 
 
 def language_model_class(path: Any, **kwargs: Any) -> Any:
