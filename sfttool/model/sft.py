@@ -31,9 +31,9 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
                                         chunked_linear_cross_entropy, chunked_token_log_probs)
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
-from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
-from sfttool.model.vision import (freeze_vision, image_inputs, is_vision_language, multimodal_position_ids,
-                                  uses_multimodal_rope)
+from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder, vision_language_targets
+from sfttool.model.vision import (freeze_parts, image_inputs, is_vision_language, multimodal_position_ids,
+                                  uses_multimodal_rope, vision_parameters)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -69,8 +69,14 @@ class SupervisedFinetune(BaseModel):
         router_aux_loss_coef: the weight of the router's load-balancing loss in the training loss
             (mixture-of-experts models that define one); None: the model's own
             ``config.router_aux_loss_coef``; 0: left out. See docs/moe.md.
-        freeze_vision_tower: a vision-language checkpoint's vision tower and projector stay frozen
-            (``sfttool.model.vision``); False trains them too (full fine-tuning only).
+        freeze_vision_tower: a vision-language checkpoint's vision tower stays frozen
+            (``sfttool.model.vision``); False trains it (full fine-tuning; with LoRA see
+            ``lora_vision_tower``).
+        freeze_projector: the projector (image features -> the language model's embeddings) stays
+            frozen; None (default): as ``freeze_vision_tower``. False with LoRA trains it whole beside
+            the adapters (saved with them).
+        freeze_llm: the language model stays frozen (e.g. LLaVA's pretraining stage: the projector alone).
+        lora_vision_tower: LoRA adapters on the vision tower's linear layers too (with ``lora``).
     """
 
     # sfttool.registry.build hands `llm` over as a config: build_llm fixes
@@ -80,7 +86,8 @@ class SupervisedFinetune(BaseModel):
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
                  loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
-                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, data_preprocessor=None):
+                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, freeze_projector=None,
+                 freeze_llm=False, lora_vision_tower=False, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
         check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
@@ -97,10 +104,10 @@ class SupervisedFinetune(BaseModel):
         if not self.use_lora and lora_targets != "all":
             raise ConfigBuildError(f"model.lora_targets={lora_targets!r} chooses where LoRA goes, but model.lora is "
                                    "None (full fine-tuning trains everything): set model.lora or remove lora_targets")
-        if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
-            raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
-                                   "train the vision tower with full fine-tuning (lora=None) or keep it frozen")
-        self.frozen_vision_parameters = freeze_vision(llm, freeze_vision_tower)
+        # on a text model any of these switches is an error; on a vision-language model they must agree
+        freeze_parts(llm, freeze_vision_tower, freeze_projector, freeze_llm, lora_vision_tower)
+        check_vision_settings(self.use_lora, freeze_vision_tower, freeze_projector, freeze_llm, lora_vision_tower)
+        self.frozen_vision_parameters = sum(p.numel() for p in vision_parameters(llm).values() if not p.requires_grad)
         self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
         self.llm = llm
         self.router_aux_loss_coef = moe.aux_loss_coefficient(llm, router_aux_loss_coef)
@@ -109,6 +116,10 @@ class SupervisedFinetune(BaseModel):
         self.flatten_batch = "flash" in str(getattr(llm.config, "_attn_implementation", ""))
         if use_activation_checkpointing:
             self.gradient_checkpointing_enable()
+        if self.use_lora and is_vision_language(llm):
+            train_projector = freeze_projector is False
+            vision_language_targets(llm, self.lora, lora_targets, freeze_llm, lora_vision_tower, train_projector)
+            lora_targets = "all"  # chosen above
         if self.use_lora:
             self.llm = apply_lora(llm, self.lora, use_activation_checkpointing, lora_targets)
         if peft_model is not None:
@@ -406,6 +417,23 @@ class SupervisedFinetune(BaseModel):
             destination.update(state)
             return destination
         return state
+
+
+def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
+                          freeze_llm: bool, lora_vision_tower: bool) -> None:
+    """The freeze switches and LoRA agree, and something trains."""
+    if use_lora and not freeze_vision_tower:
+        raise ConfigBuildError("model.freeze_vision_tower=False with model.lora: set model.lora_vision_tower=True "
+                               "for LoRA on the vision tower, or lora=None to train it whole")
+    if lora_vision_tower and not use_lora:
+        raise ConfigBuildError("model.lora_vision_tower=True needs model.lora (LoRA settings); for full fine-tuning "
+                               "of the vision tower set freeze_vision_tower=False instead")
+    if use_lora and freeze_llm and not lora_vision_tower:
+        raise ConfigBuildError("model.freeze_llm=True with model.lora: LoRA would adapt nothing; set "
+                               "model.lora_vision_tower=True, or lora=None to train the projector alone")
+    if not use_lora and freeze_llm and freeze_vision_tower and freeze_projector in (None, True):
+        raise ConfigBuildError("model.freeze_llm=True with the vision tower and projector frozen: nothing trains; "
+                               "set model.freeze_projector=False (e.g. LLaVA's pretraining stage)")
 
 
 def check_loss_settings(reduction: str, implementation: str, chunk_size: Any) -> None:

@@ -52,17 +52,104 @@ def vision_parameters(llm: Any) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in base.named_parameters() if id(p) not in kept}
 
 
-def freeze_vision(llm: Any, freeze_vision_tower: bool) -> int:
-    """Freeze the vision tower and projector of ``llm``; returns how many parameters that froze.
-    ``freeze_vision_tower=False`` on a model without one is an error (nothing to train there)."""
-    params = vision_parameters(llm)
-    if not params and not freeze_vision_tower:
-        raise ConfigBuildError(f"model.freeze_vision_tower=False: {type(base_model(llm)).__name__} has no vision "
-                               "tower to train; remove the setting")
-    if freeze_vision_tower:
-        for p in params.values():
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep their projector (the patch merger) inside the vision tower.
+PROJECTOR_NAMES_IN_ENCODER = ("merger", "deepstack_merger_list")
+PARTS = ("vision tower", "projector", "language model")
+
+
+def vision_modules(llm: Any) -> tuple[list[str], list[str]]:
+    """``(vision tower, projector)``: the qualified module names of each in the transformers model; both
+    empty for a text-only model. The tower is transformers' image encoder (``get_encoder('image')``)
+    less any projector inside it; the projector is what else lies outside the language model.
+
+    Qwen2.5-VL -> (['model.visual'], ['model.visual.merger']);
+    LLaVA -> (['model.vision_tower'], ['model.multi_modal_projector'])"""
+    base = base_model(llm)
+    params = vision_parameters(base)
+    if not params:
+        return [], []
+    encoder = base.get_encoder(modality="image")
+    tower = next((name for name, module in base.named_modules() if module is encoder and name), None)
+    projector = set()
+    for name in params:
+        if tower and name.startswith(tower + "."):
+            parts = name[len(tower) + 1:].split(".")
+            hit = next((i for i, part in enumerate(parts) if part in PROJECTOR_NAMES_IN_ENCODER), None)
+            if hit is not None:
+                projector.add(".".join([tower, *parts[:hit + 1]]))
+        else:
+            projector.add(_outermost_vision_module(base, name, params))
+    if tower is None:  # no encoder transformers knows of: all of it counts as the tower
+        return sorted(projector), []
+    return [tower], sorted(projector)
+
+
+def _outermost_vision_module(base: Any, name: str, params: dict) -> str:
+    """The outermost module holding parameter ``name`` whose parameters are all outside the language model."""
+    ids = {id(p) for p in params.values()}
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        prefix = ".".join(parts[:k])
+        if all(id(p) in ids for p in base.get_submodule(prefix).parameters()):
+            return prefix
+    return ".".join(parts[:-1])
+
+
+def part_parameters(llm: Any) -> dict[str, dict[str, torch.nn.Parameter]]:
+    """The parameters of each of ``PARTS`` by name (adapters and trained copies inside a part included)."""
+    base = base_model(llm)
+    tower, projector = vision_modules(base)
+    vision = vision_parameters(base)
+    under = lambda name, prefixes: any(name.startswith(p + ".") for p in prefixes)  # noqa: E731
+    return {"vision tower": {n: p for n, p in vision.items() if under(n, tower) and not under(n, projector)},
+            "projector": {n: p for n, p in vision.items() if under(n, projector)},
+            "language model": {n: p for n, p in base.named_parameters() if n not in vision}}
+
+
+def trained_parts(llm: Any) -> dict[str, tuple[str, int]]:
+    """Per part of a vision-language model: how it trains ('LoRA', 'full' or 'frozen') and its size
+    (the model's own weights, adapters left out); {} for a text-only model. A part trained whole beside
+    LoRA (peft's ``modules_to_save``) is 'full'."""
+    if not is_vision_language(llm):
+        return {}
+    out = {}
+    for part, params in part_parameters(llm).items():
+        trained = [n for n, p in params.items() if p.requires_grad]
+        mode = "LoRA" if any(".lora_" in n for n in trained) else "full" if trained else "frozen"
+        out[part] = (mode, sum(p.numel() for n, p in params.items() if ".lora_" not in n
+                               and ".modules_to_save." not in n))  # not peft's trained copy either
+    return out
+
+
+def freeze_parts(llm: Any, freeze_vision_tower: bool, freeze_projector: bool | None, freeze_llm: bool,
+                 lora_vision_tower: bool = False) -> None:
+    """Freeze the vision tower, projector and language model as asked (``freeze_projector=None``: as the
+    tower). On a text-only model any of them asked to train, or the model asked to freeze, is an error."""
+    if not is_vision_language(llm):
+        asked = [f"{key}={value}" for key, value, default in (
+            ("freeze_vision_tower", freeze_vision_tower, True), ("freeze_projector", freeze_projector, None),
+            ("freeze_llm", freeze_llm, False), ("lora_vision_tower", lora_vision_tower, False)) if value != default and not (key == "freeze_projector" and value)]
+        if asked:
+            raise ConfigBuildError(f"model.{asked[0]}: {type(base_model(llm)).__name__} has no vision tower "
+                                   "or projector to train or freeze; remove the setting")
+        return
+    freeze = {"vision tower": freeze_vision_tower, "language model": freeze_llm,
+              "projector": freeze_vision_tower if freeze_projector is None else freeze_projector}
+    for part, params in part_parameters(llm).items():
+        for p in params.values() if freeze[part] else ():
             p.requires_grad_(False)
-    return sum(p.numel() for p in params.values()) if freeze_vision_tower else 0
+
+
+def quantization_skip_modules(cls: Any, config: Any) -> list[str]:
+    """Modules a 4-bit load of a vision-language ``config`` keeps unquantized: the vision tower, the
+    projector and the output head (bitsandbytes' ``llm_int8_skip_modules``; naming any replaces
+    transformers' default of the head). Found on a weightless copy of the model (meta device)."""
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    tower, projector = vision_modules(model)
+    head = model.get_output_embeddings()
+    heads = [name for name, module in model.named_modules() if module is head and name]
+    return sorted(set(tower + projector + heads))
 
 
 def language_model_prefix(llm: Any) -> str | None:
