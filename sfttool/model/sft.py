@@ -124,6 +124,8 @@ class SupervisedFinetune(BaseModel):
             self.llm = apply_lora(llm, self.lora, use_activation_checkpointing, lora_targets)
         if peft_model is not None:
             self.load_peft_model(peft_model)
+        # trained vision tower or projector parameters (each batch without images must still reach them)
+        self._trained_vision = [p for p in vision_parameters(self.llm).values() if p.requires_grad]
         parts, why = split_lm(self.llm)
         if parts is None and loss_implementation != "unchunked":
             logger.warning("model.loss_implementation=%r: %s, so the loss computes all trained positions' "
@@ -328,6 +330,7 @@ class SupervisedFinetune(BaseModel):
                 hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
                 weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
                 total = self._head_loss(parts, hidden, targets[keep], weights)
+        total = total + self._untouched_vision_zero(data)
         units = self._loss_units(keep, position_ids)
         if not router_logits:
             return {"loss": self.normalize(total, data), **step_metrics(loss=(total, units))}
@@ -337,6 +340,15 @@ class SupervisedFinetune(BaseModel):
         objective = total + self.router_aux_loss_coef * aux * units
         return {"loss": self.normalize(objective, data),
                 **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
+
+    def _untouched_vision_zero(self, data: dict) -> torch.Tensor | int:
+        """0 for a batch with images; for one without, a zero that depends on the trained vision tower and
+        projector parameters. Every process's backward then reaches the same parameters: DDP and ZeRO
+        reduce gradients in buckets, and a process whose batch had no image would leave its buckets
+        waiting (the others' hold the images' gradients). Their gradient from this batch stays 0."""
+        if not self._trained_vision or image_inputs(data):
+            return 0
+        return sum(p.sum() for p in self._trained_vision) * 0.0
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's
