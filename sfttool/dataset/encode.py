@@ -56,7 +56,7 @@ from sfttool.dataset.conversation import check_conversation, flag, row_tools, to
 from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
                                             piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN
+from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
 from sfttool.dataset.image_tokens import (expand_placeholders, image_token, image_token_counts, image_token_id,
                                           with_special_tokens)
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
@@ -300,7 +300,11 @@ def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, in
     rows = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
     check_batch(conversations, rows, source, input_ids_with_output)
     if processor is not None:
+        if not input_ids_with_output:
+            raise DatasetError("with processor=..., rows are encoded with their answers: "
+                               "set input_ids_with_output=True")
         return _processor_samples(batch, rows, processor, source, chat_options, skip_bad_rows)
+    refuse_unbound_images(conversations, rows, source)
     if hf_chat_template:
         return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, source, chat_options,
                                       skip_bad_rows)

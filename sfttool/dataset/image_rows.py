@@ -154,7 +154,8 @@ def _open(path: str):
     return Image.open(path)
 
 
-def _name(path: str) -> str:
+def image_name(path: str) -> str:
+    """A path as messages print it (a data: URI shortened)."""
     return f"{path[:40]}..." if path.startswith("data:") else path
 
 
@@ -169,7 +170,7 @@ def image_size(path: str, row: int, source: str | None) -> list[int]:
             width, height = image.size
             rotated = image.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
     except (UnidentifiedImageError, OSError, ValueError, binascii.Error, SyntaxError) as exc:
-        raise ImageRowError(f"{where(row, source)}: image {_name(path)} cannot be read "
+        raise ImageRowError(f"{where(row, source)}: image {image_name(path)} cannot be read "
                             f"({type(exc).__name__}: {exc}); replace or remove it", DROP_UNREADABLE) from None
     return [width, height] if rotated else [height, width]
 
@@ -232,3 +233,15 @@ def images_of(messages: Sequence[dict]) -> list[str]:
     """The images of bound messages, in order."""
     return [part["image"] for m in messages if isinstance(m.get("content"), list)
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def refuse_unbound_images(conversations: Sequence[Any], rows: Sequence[int], source: str | None) -> None:
+    """Image parts reaching an encoder without a processor (a stream, a mix of sources): nothing would
+    expand them into their tokens or load their pixels, so the row is an error naming it."""
+    for conversation, row in zip(conversations, rows):
+        for turn in conversation if isinstance(conversation, list) else ():
+            messages = turn.get("messages") if isinstance(turn, dict) else None
+            if isinstance(messages, str) and ('"type": "image' in messages or '"type":"image' in messages):
+                raise DatasetError(f"{where(row, source)}: the row has images, which only process_hf_dataset "
+                                   "with processor=... encodes (the model's processor expands each image into "
+                                   "its tokens); see docs/multimodal.md")

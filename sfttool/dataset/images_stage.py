@@ -19,7 +19,7 @@ from sfttool.dataset.image_rows import (IMAGES_COLUMN, LLAVA_COLUMN, SIZES_COLUM
 from sfttool.dataset.report import PipelineReport
 from sfttool.dataset.stages import row_name
 
-__all__ = ["IMAGES_COLUMN", "IMAGE_COLUMNS", "bind_images", "build_processor", "check_image_template",
+__all__ = ["IMAGES_COLUMN", "IMAGE_COLUMNS", "SIZES_COLUMN", "bind_images", "build_processor", "check_image_template",
            "count_cut_before_images", "has_image_rows", "processor_digest"]
 
 # Columns the image stage reads or writes; the encoder replaces them with each sample's ``images``.
@@ -100,7 +100,8 @@ def bind_images(dataset, processor: Any, image_folder: str | None, num_proc: int
     ``skip_bad_rows`` a bad row is dropped, counted by cause with the first rows named. Image rows
     without a processor are refused (nothing would expand their images)."""
     removed = [c for c in (LLAVA_COLUMN, IMAGES_COLUMN, "conversation") if c in dataset.column_names]
-    # Not cached: the images are read from disk, which a cached result would not see change.
+    # Not cached: the images are read from disk, which a cached result would not see change (the encode
+    # stage's fingerprint hashes the sizes read here, ``pipeline._images_digest``).
     dataset = dataset.map(bind_images_batch, batched=True, with_indices=True, num_proc=num_proc,
                           remove_columns=removed, features=_bound_features(dataset.features, removed),
                           load_from_cache_file=False, desc="Checking images",

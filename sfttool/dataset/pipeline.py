@@ -23,7 +23,7 @@ import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
-from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, bind_images, build_processor,
+from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, SIZES_COLUMN, bind_images, build_processor,
                                           check_image_template, count_cut_before_images, has_image_rows,
                                           processor_digest)
 from sfttool.dataset.pixels import with_pixels
@@ -162,7 +162,8 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
                     carry=[name for name in dataset.column_names if name not in remove], skip_bad_rows=skip_bad_rows)
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
-                                    template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor))
+                                    template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor),
+                                    _images_digest(dataset))
     desc = f"{'Templating and tokenizing' if template_map_fn else 'Tokenizing'} ({mode} mode)"
     dataset = dataset.map(template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc,
                           remove_columns=remove, features=_encoded_features(dataset, remove, processor is not None),
@@ -172,6 +173,14 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     if hf_chat_template:
         count_split(report, _row_numbers(dataset))
     return dataset
+
+
+def _images_digest(dataset) -> str | None:
+    """The images' paths and sizes as read from disk this run (the image stage is never cached): an image
+    replaced by one of another size changes the encoded samples."""
+    if SIZES_COLUMN not in dataset.column_names:
+        return None
+    return content_fingerprint(dataset.select_columns([IMAGES_COLUMN, SIZES_COLUMN]).with_format("arrow")[:])
 
 
 def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: PipelineReport) -> None:
@@ -389,6 +398,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     """
     check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                    max_dataset_length)
+    processor = build_processor(processor)
+    if processor is not None and tokenizer is None:
+        tokenizer = processor.tokenizer  # the processor's own: its chat template and image tokens
     args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
                 dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn,
                 max_dataset_length=max_dataset_length, split=split, remove_unused_columns=remove_unused_columns,
@@ -396,7 +408,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source,
-                skip_bad_rows=skip_bad_rows, processor=build_processor(processor), image_folder=image_folder)
+                skip_bad_rows=skip_bad_rows, processor=processor, image_folder=image_folder)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return with_pixels(cached_pipeline(cache_dir, args, run_pipeline), args["processor"])

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import DatasetError
-from sfttool.dataset.image_rows import IMAGES_COLUMN, _name
+from sfttool.dataset.image_rows import IMAGES_COLUMN, image_name
 from sfttool.dataset.image_tokens import image_token_counts, image_token_id
 
 
@@ -39,7 +39,7 @@ def load_images(paths: list[str]) -> list:
         try:
             images.append(load_image(path))
         except Exception as exc:  # PIL and transformers raise many types for a bad file
-            raise DatasetError(f"image {_name(path)} cannot be loaded ({type(exc).__name__}: {exc}); it was "
+            raise DatasetError(f"image {image_name(path)} cannot be loaded ({type(exc).__name__}: {exc}); it was "
                                "readable when the dataset was built: replace it, or rebuild the dataset") from None
     return images
 
@@ -83,6 +83,6 @@ class PixelLoader:
             made = sum(image_token_counts(self.processor, [(im.height, im.width) for im in images]))
         tokens = int((np.asarray(input_ids) == self.token_id).sum())
         if tokens != made:
-            names = ", ".join(_name(p) for p in paths)
+            names = ", ".join(image_name(p) for p in paths)
             raise DatasetError(f"a row with images {names} has {tokens} image tokens but its pixels make {made}: "
                                "an image changed since the dataset was built; rebuild it (clear its cache_dir)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,14 +23,18 @@ ARCHS = ("qwen2_5_vl", "llava")
 
 
 @pytest.fixture(scope="module")
-def processors(tmp_path_factory, tiny_tokenizer_dir):
+def vlm_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("vlm")
+    return {arch: assets.build_tiny_vlm(root / arch, tiny_tokenizer_dir, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def processors(vlm_dirs):
     from transformers import AutoProcessor
 
     from sfttool.compat import processors_without_torchvision
     processors_without_torchvision()
-    root = tmp_path_factory.mktemp("vlm")
-    return {arch: AutoProcessor.from_pretrained(assets.build_tiny_vlm(root / arch, tiny_tokenizer_dir, arch))
-            for arch in ARCHS}
+    return {arch: AutoProcessor.from_pretrained(path) for arch, path in vlm_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +117,237 @@ def test_ids_equal_the_processors_own(processors, data, arch, form, map_fn):
         # Pixels loaded lazily, as the processor makes them for these images.
         pixels = sample.get("pixel_values")
         if images:
-            assert torch.equal(torch.as_tensor(pixels), torch.as_tensor(expected["pixel_values"]))
+            assert torch.equal(torch.as_tensor(pixels), torch.as_tensor(np.array(expected["pixel_values"])))
         else:
             assert pixels is None
 
 
 END = {"qwen2_5_vl": "<|im_end|>", "llava": "<|im_end|>"}
+
+
+# ---------------------------------------------------------------------------
+# Bad input: one line naming the image, the data file and the row; with skip_bad_rows, counted drops.
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_images")
+    assets.write_png(root / "ok.png", 28, 28, 0)
+    (root / "corrupt.png").write_bytes(b"not a png at all")
+    def row(image, question, answer="A"):
+        return {"image": image, "conversations": [{"from": "human", "value": question},
+                                                  {"from": "gpt", "value": answer}]}
+    rows = [row("ok.png", "<image>\nQ"), row("gone.png", "<image>\nQ"), row("corrupt.png", "<image>Q"),
+            row("ok.png", "no placeholder"), row("ok.png", "<image>\nQ", "B")]
+    path = assets.write_jsonl(root / "rows.jsonl", rows)
+    return root, str(path)
+
+
+@pytest.mark.parametrize("row,message", [
+    (1, "row 1: image {root}/gone.png not found"),
+    (2, "row 2: image {root}/corrupt.png cannot be read (UnidentifiedImageError"),
+    (3, "row 3: 0 <image> placeholders (or bare image parts) but 1 images given"),
+])
+def test_a_bad_image_row_is_one_line_naming_image_file_and_row(processors, bad_data, row, message):
+    root, path = bad_data
+    rows = [json.loads(line) for line in open(path)]
+    single = assets.write_jsonl(root / f"only_{row}.jsonl", [rows[0], rows[row]])
+    with pytest.raises(DatasetError) as info:
+        run(str(single), processors["qwen2_5_vl"], "llava_map_fn")
+    text = str(info.value).replace("row 1", f"row {row}")  # the bad row is the file's second
+    assert text.startswith(f"{single}, ")
+    assert message.format(root=root) in text
+    assert "\n" not in str(info.value)
+
+
+def test_skip_bad_rows_counts_each_cause_with_its_rows(processors, bad_data):
+    _, path = bad_data
+    dataset, report = run(path, processors["qwen2_5_vl"], "llava_map_fn", skip_bad_rows=True)
+    assert len(dataset) == 2
+    assert report.dropped == {"image not found (--skip-bad-rows)": 1,
+                              "image unreadable or corrupt (--skip-bad-rows)": 1,
+                              "<image> placeholders differ from the images given (--skip-bad-rows)": 1}
+    assert report.drop_examples["image not found (--skip-bad-rows)"] == ["row 1"]
+    assert report.drop_examples["image unreadable or corrupt (--skip-bad-rows)"] == ["row 2"]
+
+
+def test_image_rows_without_a_processor_are_refused(tiny_tokenizer, data):
+    from datasets import load_dataset
+    from sfttool.utils import PROMPT_TEMPLATE
+    from sfttool.dataset.map_fns import template_map_fn_factory
+    with pytest.raises(DatasetError, match="row 0: the row has images but no processor is set"):
+        run_pipeline(dict(type=load_dataset, path="json", data_files=data[1]["llava"]), tiny_tokenizer, 256,
+                     dataset_map_fn="llava_map_fn",
+                     template_map_fn=template_map_fn_factory(PROMPT_TEMPLATE.hf_chat_template))
+
+
+def test_image_folder_is_where_relative_paths_are_read(processors, data, tmp_path):
+    root, files = data
+    moved = assets.write_jsonl(tmp_path / "elsewhere.jsonl", [json.loads(line) for line in open(files["llava"])])
+    with pytest.raises(DatasetError, match=f"image {tmp_path}/img/big.png not found"):
+        run(str(moved), processors["llava"], "llava_map_fn")
+    dataset, _ = run(str(moved), processors["llava"], "llava_map_fn", image_folder=str(root))
+    assert dataset[0]["images"] == [str(root / "img" / "big.png")]
+
+
+# ---------------------------------------------------------------------------
+# Packing keeps each sample's images with it; max_length never splits an image.
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_rows_hold_each_samples_ids_labels_and_images(processors, data, arch):
+    processor = processors[arch]
+    samples = []
+    for form, map_fn in (("parts", "openai_map_fn"), ("column", "openai_map_fn"), ("llava", "llava_map_fn")):
+        unpacked, _ = run(data[1][form], processor, map_fn)
+        samples += [(row["input_ids"], row["labels"], row["images"]) for row in unpacked]
+    packed_samples = []
+    for form, map_fn in (("parts", "openai_map_fn"), ("column", "openai_map_fn"), ("llava", "llava_map_fn")):
+        packed, _ = run(data[1][form], processor, map_fn, pack=True)
+        for row in packed:
+            images, start = list(row["images"]), 0
+            for length in row["sample_lengths"]:
+                ids = row["input_ids"][start:start + length]
+                n = len([i for i, token in enumerate(ids) if token == processor.image_token_id])
+                own = [s for s in samples if s[0] == ids]
+                assert len(own) == 1 and own[0][1] == row["labels"][start:start + length]
+                count = len(own[0][2])
+                packed_samples.append((ids, row["labels"][start:start + length], images[:count]))
+                images, start = images[count:], start + length
+                assert n == 0 or count > 0
+            assert images == []
+    assert sorted(map(repr, packed_samples)) == sorted(map(repr, samples))
+
+
+def test_collated_pixels_are_the_processors_for_the_batchs_images_in_order(processors, data):
+    processor = processors["qwen2_5_vl"]
+    dataset, _ = run(data[1]["parts"], processor, "openai_map_fn", pack=True, max_length=512)
+    rows = [dataset[i] for i in range(len(dataset))]
+    batch = default_collate_fn(rows)["data"]
+    images = [path for row in rows for path in row["images"]]
+    from sfttool.dataset.pixels import load_images
+    expected = processor.image_processor(images=load_images(images), return_tensors="pt")
+    assert torch.equal(batch["pixel_values"], expected["pixel_values"])
+    assert batch["image_grid_thw"].tolist() == expected["image_grid_thw"].tolist()
+    merge = processor.image_processor.merge_size
+    assert int((batch["input_ids"] == processor.image_token_id).sum()) == \
+        int((expected["image_grid_thw"].prod(-1) // merge**2).sum())
+    text_only, _ = run(data[1]["column"], processor, "openai_map_fn")
+    assert set(default_collate_fn([text_only[1]])["data"]) == {"input_ids", "labels", "position_ids"}
+
+
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory):
+    """Qwen: a 16-token image after a first answer (cut before it: kept), and one before any answer (dropped)."""
+    root = tmp_path_factory.mktemp("long")
+    assets.write_png(root / "big.png", 112, 112, 5)
+    rows = [
+        {"images": ["big.png"], "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "Noise."}]},
+        {"images": ["big.png"], "messages": [
+            {"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "Noise."}]},
+    ]
+    return str(assets.write_jsonl(root / "long.jsonl", rows))
+
+
+def test_max_length_cuts_before_an_image_or_drops_the_row_counted(processors, long_rows):
+    processor = processors["qwen2_5_vl"]
+    full, _ = run(long_rows, processor, "openai_map_fn")
+    pads = [row["input_ids"].index(processor.image_token_id) for row in full]
+    note = "cut before an image that max_length={} would split (the image and what follows it left out)"
+    # Row 0: the cut inside its image moves before it; its first answer stays trained.
+    cut, report = run(long_rows, processor, "openai_map_fn", max_length=pads[0] + 5)
+    kept = [row for row in cut if row["input_ids"][:pads[0]] == full[0]["input_ids"][:pads[0]]]
+    assert len(kept) == 1 and kept[0]["input_ids"] == full[0]["input_ids"][:pads[0]]
+    assert kept[0]["labels"] == full[0]["labels"][:pads[0]] and set(kept[0]["labels"]) != {IGNORE_INDEX}
+    assert kept[0]["images"] == [] and kept[0]["pixel_values"] is None
+    assert report.change_examples[note.format(pads[0] + 5)] == ["row 0"]
+    # Row 1: nothing trained is left before its image: dropped, counted (here: the only row).
+    alone = assets.write_jsonl(Path(long_rows).parent / "row1.jsonl", [json.loads(open(long_rows).readlines()[1])])
+    prompt = next(i for i, label in enumerate(full[1]["labels"]) if label != IGNORE_INDEX)
+    with pytest.raises(DatasetError, match=re.escape(
+            f"no rows left to train on: 1 dropped (prompt longer than max_length={pads[1] + 5}")):
+        run(str(alone), processor, "openai_map_fn", max_length=pads[1] + 5)
+    assert prompt > pads[1] + 5
+
+
+def test_a_changed_image_is_a_clear_error_when_its_row_is_read(processors, tmp_path):
+    processor = processors["qwen2_5_vl"]
+    image = assets.write_png(tmp_path / "x.png", 28, 28, 0)
+    path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["x.png"], "messages": [
+        {"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}]}])
+    dataset, _ = run(str(path), processor, "openai_map_fn")
+    assets.write_png(image, 112, 112, 0)
+    with pytest.raises(DatasetError, match=f"images {image} has 1 image tokens but its pixels make 16"):
+        dataset[0]
+    rebuilt, _ = run(str(path), processor, "openai_map_fn")  # datasets' map cache does not hide the change
+    assert rebuilt[0]["input_ids"].count(processor.image_token_id) == 16
+
+
+def test_process_hf_dataset_builds_the_processor_from_its_config(vlm_dirs, data):
+    from datasets import load_dataset
+    from transformers import AutoProcessor
+    config = dict(type=AutoProcessor.from_pretrained, pretrained_model_name_or_path=str(vlm_dirs["llava"]))
+    dataset = process_hf_dataset(dict(type=load_dataset, path="json", data_files=data[1]["llava"]), None, 256,
+                                 dataset_map_fn="llava_map_fn", processor=config, pack_to_max_length=False)
+    assert dataset[0]["pixel_values"].shape == (1, 3, 28, 28)
+
+
+def test_cached_image_rows_load_their_pixels(processors, data, tmp_path):
+    from datasets import load_dataset
+    processor = processors["qwen2_5_vl"]
+    args = dict(dataset=dict(type=load_dataset, path="json", data_files=data[1]["parts"]), tokenizer=None,
+                max_length=256, dataset_map_fn="openai_map_fn", processor=processor, cache_dir=str(tmp_path))
+    first, again = process_hf_dataset(**args), process_hf_dataset(**args)
+    assert len(list(tmp_path.iterdir())) == 1
+    assert again[0]["input_ids"] == first[0]["input_ids"]
+    assert torch.equal(again[0]["pixel_values"], first[0]["pixel_values"])
+
+
+def test_a_tokenizer_that_adds_bos_gets_it_as_the_processor_adds_it(tmp_path, tiny_tokenizer_bos_dir, data):
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(assets.build_tiny_vlm(tmp_path / "m", tiny_tokenizer_bos_dir, "llava"))
+    dataset, report = run(data[1]["llava"], processor, "llava_map_fn")
+    (messages, _), = bound_rows(report)
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"][0]
+    assert dataset[0]["input_ids"] == expected and expected[0] == processor.tokenizer.bos_token_id
+    assert dataset[0]["labels"][0] == IGNORE_INDEX
+
+
+def test_an_encoder_without_a_processor_refuses_image_parts(tiny_tokenizer):
+    from sfttool.dataset.encode import encode_batch
+    from sfttool.dataset.map_fns import openai_map_fn
+    row = openai_map_fn({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "Q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]})
+    with pytest.raises(DatasetError, match="data.jsonl, row 7: the row has images, which only process_hf_dataset "
+                                           "with processor=... encodes"):
+        encode_batch({"conversation": [row["conversation"]]}, [7], tiny_tokenizer, 64, hf_chat_template=True,
+                     source="data.jsonl")
+
+
+def test_text_only_content_parts_become_text():
+    from sfttool.dataset.map_fns import openai_map_fn
+    parts = openai_map_fn({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]})
+    assert parts == {"conversation": [{"system": "Be brief.", "input": "Hi there", "output": "Hello.",
+                                       "output_with_loss": True}]}
+
+
+def test_processed_image_rows_load_their_pixels_with_the_processor(processors, vlm_dirs, data, tmp_path):
+    from datasets import load_dataset
+    from mmengine.config import Config
+    from transformers import AutoProcessor
+
+    from sfttool.tools.process_dataset import ProcessedDatasetError, load_processed_dataset, process_dataset
+    processor = dict(type=AutoProcessor.from_pretrained, pretrained_model_name_or_path=str(vlm_dirs["qwen2_5_vl"]))
+    node = dict(type=process_hf_dataset, dataset=dict(type=load_dataset, path="json", data_files=data[1]["parts"]),
+                processor=processor, max_length=256, dataset_map_fn="openai_map_fn")
+    process_dataset(Config(dict(train_dataloader=dict(dataset=node))), tmp_path / "out")
+    with pytest.raises(ProcessedDatasetError, match="the rows hold images: set processor="):
+        load_processed_dataset(tmp_path / "out")
+    loaded = load_processed_dataset(tmp_path / "out", processor=processor)
+    direct = process_hf_dataset(**{k: v for k, v in node.items() if k != "type"})
+    assert loaded[0]["input_ids"] == direct[0]["input_ids"] and loaded[0]["images"] == direct[0]["images"]
+    assert torch.equal(loaded[0]["pixel_values"], direct[0]["pixel_values"])

@@ -33,7 +33,8 @@ from .wizardlm_map_fn import wizardlm_map_fn
 __all__ = [
     "MapFnError", "render_input", "template_map_fn", "template_map_fn_factory",
     "alpaca_map_fn", "alpaca_zh_map_fn", "arxiv_map_fn", "code_alpaca_map_fn", "colors_map_fn",
-    "crime_kg_assitant_map_fn", "default_map_fn", "law_reference_map_fn", "llava_map_fn", "medical_map_fn", "msagent_map_fn",
+    "crime_kg_assitant_map_fn", "default_map_fn", "law_reference_map_fn", "llava_map_fn", "medical_map_fn",
+    "msagent_map_fn",
     "oasst1_map_fn", "openai_map_fn", "openorca_map_fn", "pretrain_map_fn", "sharegpt_map_fn", "sql_map_fn",
     "stack_exchange_map_fn", "tiny_codes_map_fn", "wizardlm_map_fn",
     "intel_orca_dpo_map_fn", "orpo_dpo_mix_40k_map_fn", "preference_strings_map_fn", "ultrafeedback_binarized_map_fn",
