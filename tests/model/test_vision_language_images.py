@@ -121,8 +121,10 @@ def test_a_packed_row_with_images_trains_like_its_samples(vlm, arch, loss_implem
     one_by_one, want_grads = sfttool_grads(model, [collate([s]) for s in samples])
     packed, grads = sfttool_grads(model, [collate(samples)])
     assert torch.allclose(one_by_one, want, atol=ATOL) and torch.allclose(packed, want, atol=ATOL)
-    assert grads.keys() == want_grads.keys()
-    assert any(".visual." in n or ".vision_tower." in n for n in grads)  # the vision tower got gradients
+    # (a batch without images gives the trained vision parameters zero gradients, where a packed one may have
+    # none for those its images do not use, such as LLaVA's last vision layer)
+    assert want_grads.keys() >= grads.keys() and all(not want_grads[n].any() for n in want_grads.keys() - grads.keys())
+    assert any((".visual." in n or ".vision_tower." in n) and grads[n].any() for n in grads)  # the tower learns
     assert all(torch.allclose(grads[n], want_grads[n], atol=ATOL) for n in grads)
 
 
