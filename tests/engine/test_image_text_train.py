@@ -49,7 +49,7 @@ model = dict(
 train_dataset = dict(
     type=process_hf_dataset,
     dataset=dict(type=load_dataset, path='json', data_files=data_file),
-    tokenizer=tokenizer, processor=processor, image_folder=image_folder, dataset_map_fn=llava_map_fn, template_map_fn=None,
+    processor=processor, image_folder=image_folder, dataset_map_fn=llava_map_fn, template_map_fn=None,
     max_length=max_length, pack_to_max_length=True, shuffle_before_pack=True, map_num_proc=1, seed=seed)
 
 train_dataloader = dict(
@@ -126,6 +126,7 @@ def test_check_train_convert_merge_and_chat_with_images(tmp_path, image_data, ca
     config = image_config(tmp_path / "vl.py", image_data, custom_hooks=hooks)
     checked = CliRunner().invoke(cli, ["check-custom-dataset", str(config)])
     assert checked.exit_code == 0, checked.output
+    assert "<image 1: " in checked.output and " tokens>" in checked.output  # each image in its place
 
     out = train(str(config), work_dir=str(tmp_path / "work"), max_steps=2)
     summary = capsys.readouterr().out
