@@ -30,6 +30,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
 from sfttool import compat
+from sfttool.dataset.images_stage import build_processor
 from sfttool.engine.runner import DRY_RUN_INFO, unwrap_model
 from sfttool.model.hf_folder import config_processor
 from sfttool.registry import BUILDER, build_if_config
@@ -57,7 +58,7 @@ class EvaluateChatHook(Hook):
         self.evaluation_images = evaluation_image_list(evaluation_images, len(self.evaluation_inputs))
         # The model's processor renders image prompts: ``processor``, or XTuner's ``image_processor`` when it
         # is a whole processor, else the one the training data was encoded with (found at the first generation).
-        self.processor = processor if processor is not None else \
+        self.processor = build_processor(processor) if processor is not None else \
             image_processor if hasattr(image_processor, "apply_chat_template") else None
         self.system = system or ""
         self.prompt_template = prompt_template
