@@ -55,7 +55,7 @@ lora_vision_tower = False
 
 # Data: LLaVA/XTuner rows ({"image": ..., "conversations": [{"from": "human", "value": "<image>\n..."}, ...]})
 data_path = 'liuhaotian/LLaVA-Instruct-150K'
-data_files = 'llava_instruct_150k.json'   # the file of that repository to read
+data_files = 'llava_instruct_150k.json'   # the file of that hub repository to read (None for a local data_path)
 image_folder = './data/coco/train2017'    # where the rows' image paths are read from
 dataset_map_fn = llava_map_fn             # XTuner's name; <image> leads its message
 max_length = 2048            # tokens per row (an image is 576); a cut never falls inside an image
@@ -118,7 +118,7 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_data_path, path=data_path, data_files=data_files),
+    dataset=dict(type=load_data_path, path=data_path, **(dict(data_files=data_files) if data_files else {})),
     processor=processor,
     image_folder=image_folder,
     max_length=max_length,

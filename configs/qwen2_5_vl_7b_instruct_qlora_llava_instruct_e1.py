@@ -57,7 +57,7 @@ max_pixels = 1024 * 28 * 28
 
 # Data: LLaVA/XTuner rows ({"image": ..., "conversations": [{"from": "human", "value": "<image>\n..."}, ...]})
 data_path = 'liuhaotian/LLaVA-Instruct-150K'
-data_files = 'llava_instruct_150k.json'   # the file of that repository to read
+data_files = 'llava_instruct_150k.json'   # the file of that hub repository to read (None for a local data_path)
 image_folder = './data/coco/train2017'    # where the rows' image paths are read from
 dataset_map_fn = llava_map_fn             # XTuner's name; <image> leads its message
 max_length = 2048            # tokens per row; a cut never falls inside an image (docs/multimodal.md)
@@ -98,8 +98,7 @@ evaluation_inputs = ['What are the colors of the bus in the image?', 'Describe t
 processor = dict(
     type=AutoProcessor.from_pretrained,
     pretrained_model_name_or_path=pretrained_model_name_or_path,
-    min_pixels=min_pixels,
-    max_pixels=max_pixels)
+    size=dict(shortest_edge=min_pixels, longest_edge=max_pixels))   # pixels, not edges (transformers' names)
 tokenizer = dict(
     type=AutoTokenizer.from_pretrained,
     pretrained_model_name_or_path=pretrained_model_name_or_path,
@@ -122,7 +121,7 @@ model = dict(
 ###############################################################################
 train_dataset = dict(
     type=process_hf_dataset,
-    dataset=dict(type=load_data_path, path=data_path, data_files=data_files),
+    dataset=dict(type=load_data_path, path=data_path, **(dict(data_files=data_files) if data_files else {})),
     processor=processor,
     image_folder=image_folder,
     max_length=max_length,

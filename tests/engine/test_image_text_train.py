@@ -193,3 +193,23 @@ def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path
     assert a.keys() == b.keys() and max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arch", [("qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1", "qwen2_5_vl"),
+                                        ("llava_1_5_7b_hf_qlora_llava_instruct_e1", "llava")])
+def test_the_shipped_image_text_configs_train_a_tiny_model(tmp_path, image_data, tiny_tokenizer_dir, name, arch):
+    """The built-in configs with their model, data and images swapped for tiny local ones (QLoRA on CPU):
+    one optimizer step, sample answers about the image before and after."""
+    from sfttool.engine.train import train
+
+    model_dir = image_data["model_dir"] if arch == "qwen2_5_vl" else \
+        assets.build_tiny_vlm(tmp_path / arch, tiny_tokenizer_dir, arch)
+    options = [f"pretrained_model_name_or_path={model_dir}", f"data_path={image_data['data_file']}",
+               "data_files=None", f"image_folder={image_data['image_folder']}",
+               f"evaluation_images={image_data['image']}", "evaluation_max_new_tokens=2", "max_length=256",
+               "dataloader_num_workers=0", "accumulative_counts=1"]
+    out = train(name, work_dir=str(tmp_path / "work"), cfg_options=options, max_steps=1)
+    assert (out / "hf_adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "hf_adapter" / "processor_config.json").is_file()
+    assert sorted(p.name for p in (out / "eval_outputs").iterdir()) == ["iter_0.jsonl", "iter_1.jsonl"]
