@@ -56,10 +56,11 @@ class EvaluateChatHook(Hook):
         self.tokenizer = build_if_config(tokenizer, "EvaluateChatHook.tokenizer")
         self.evaluation_inputs = [evaluation_inputs] if isinstance(evaluation_inputs, str) else list(evaluation_inputs)
         self.evaluation_images = evaluation_image_list(evaluation_images, len(self.evaluation_inputs))
-        # The model's processor renders image prompts: ``processor``, or XTuner's ``image_processor`` when it
-        # is a whole processor, else the one the training data was encoded with (found at the first generation).
-        self.processor = build_processor(processor) if processor is not None else \
-            image_processor if hasattr(image_processor, "apply_chat_template") else None
+        # The model's processor renders image prompts: ``processor`` or ``image_processor`` when it is a whole
+        # processor (XTuner passes a CLIP image processor there, which cannot render a prompt), else the one the
+        # training data was encoded with (found at the first generation).
+        self.processor = next((p for p in (build_processor(processor), image_processor)
+                               if hasattr(p, "apply_chat_template")), None)
         self.system = system or ""
         self.prompt_template = prompt_template
         self.every_n_iters = every_n_iters
