@@ -151,3 +151,14 @@ def test_mix_sources_benchmark(tmp_path):
     assert [m["strategy"] for m in report["mixes"]] == ["concat", "interleave", "interleave"]
     assert report["mixes"][0]["samples"] == 500  # 200 x 1 + 200 x 1.5
     assert all(0 < m["packing_efficiency"] <= 1 and m["rows"] > 0 for m in report["mixes"])
+
+
+@pytest.mark.slow
+def test_image_rows_benchmark(tmp_path):
+    out = tmp_path / "image_rows.json"
+    run([sys.executable, str(BENCH / "image_rows.py"), "--rows", "20", "--reference-rows", "5", "--read-rows", "2",
+         "--size", "56", "56", "--images", "3", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["build"]["rows"] == 20 and report["build"]["rows_per_s"] > 0
+    assert report["processor_reference"]["rows"] == 5 and report["read"]["images"] > 0
+    assert report["read"]["image_tokens"] == 4 * report["read"]["images"]  # 56 x 56: 2 x 2 merged patches

@@ -94,6 +94,8 @@ def normalise_message(message: dict, index: int) -> dict:
         content = ""
     if role != "tool" and is_content_parts(content):
         content = drop_nulls(content)  # Arrow's fill for the keys other parts have (a text part's null `image`)
+        if role != "user" and any(part.get("type") != "text" for part in content):
+            raise MessageError(f"{where} is a {role} message with an image; images go in user messages")
     elif not isinstance(content, str):
         content = json.dumps(content, ensure_ascii=False)  # a structured tool result
     out = {k: v for k, v in message.items() if v is not None and k not in ("content", "tool_calls", "loss")}

@@ -57,9 +57,10 @@ from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_col
                                             piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
-from sfttool.dataset.image_tokens import (expand_placeholders, image_token, image_token_counts, image_token_id,
-                                          with_special_tokens)
+from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
+                                          image_token_id, with_special_tokens)
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
+from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
@@ -226,7 +227,6 @@ class Encoded:
         the ``images`` column (the images each sample keeps whole)."""
         if self.images is None:
             return max_length, {}
-        from sfttool.dataset.image_tokens import image_limits
         limits, whole = image_limits(self.flat.ids, self.flat.lengths, self.image_token_id, self.image_counts,
                                      max_length)
         return limits, {"images": [list(images[:n]) for images, n in zip(self.images, whole.tolist())]}
@@ -382,6 +382,7 @@ def _processor_samples(batch: dict[str, list], rows: list[int], processor: Any, 
         per_row.append(len(samples))
     encoded = with_special_tokens(tokenizer, texts, batch_token_ids(tokenizer, texts, with_offsets=True))
     flat = span_samples(encoded, texts, spans)
+    flat.labels[flat.ids == image_token_id(processor)] = IGNORE_INDEX  # images are read, never produced
     return Encoded(flat, _repeat(rows, per_row), per_row, conversations, refused, images=images,
                    image_counts=counts, image_token_id=image_token_id(processor))
 

@@ -185,11 +185,15 @@ def bind_row(conversation: list[dict], given: Any, image_folder: str | None, dat
     row_images = _row_images(given)
     turns, references = [], []
     for turn in conversation:
-        messages = _turn_messages(turn) if turn.get("messages") or row_images or _has_parts(turn) else None
+        messages = _turn_messages(turn) if turn.get("messages") or row_images else None
         if messages is None:
             turns.append((turn, None))
             continue
         bound = [_with_parts(m, bool(row_images)) for m in messages]
+        wrong = next((m.get("role") for m, refs in bound if refs and m.get("role") != "user"), None)
+        if wrong is not None:
+            raise DatasetError(f"{where(row, source)}: an image in a message of role {wrong!r}; images go in user "
+                               "messages (the model reads them, it is not trained to produce them)")
         references += [ref for _, refs in bound for ref in refs]
         turns.append((turn, [m for m, _ in bound]))
     references = _fill(references, row_images, row, source)
@@ -205,10 +209,6 @@ def bind_row(conversation: list[dict], given: Any, image_folder: str | None, dat
             turn = {**turn, "messages": json.dumps(messages, ensure_ascii=False)}
         out.append(turn)
     return out, paths, sizes
-
-
-def _has_parts(turn: dict) -> bool:
-    return any(isinstance(m.get("content"), list) for m in json_list(turn.get("messages")))
 
 
 def _fill(references: list[Any], row_images: list[Any], row: int, source: str | None) -> list[Any]:
@@ -227,12 +227,6 @@ def _bound(message: dict, paths) -> dict:
         return message
     return {**message, "content": [{"type": "image", "image": next(paths)} if p.get("type") == "image" else p
                                    for p in content]}
-
-
-def images_of(messages: Sequence[dict]) -> list[str]:
-    """The images of bound messages, in order."""
-    return [part["image"] for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
 def refuse_unbound_images(conversations: Sequence[Any], rows: Sequence[int], source: str | None) -> None:

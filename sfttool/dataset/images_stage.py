@@ -120,9 +120,9 @@ def bind_images(dataset, processor: Any, image_folder: str | None, num_proc: int
         if counts.any():
             number = int(numbers[kept][np.flatnonzero(counts)[0]])
             raise DatasetError(f"{source or 'dataset'}, row {number}: the row has images but no processor is set: "
-                               "set processor=dict(type=AutoProcessor.from_pretrained, "
+                               "give process_hf_dataset processor=dict(type=AutoProcessor.from_pretrained, "
                                "pretrained_model_name_or_path=...), the model's own processor, which expands each "
-                               "image into its tokens")
+                               "image into its tokens (data_sources and streams do not take images)")
     return dataset
 
 

@@ -293,8 +293,9 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
             findings.warn(warning)
     if findings.count() == errors_before:
         echo(f"Validating all {len(every)} rows ...")
-        check_rows(every, map_fn, source, findings, max_errors,
-                   args.get("image_folder") if processor is not None else False)
+        # With skip_bad_rows a bad image is a counted drop of the pipeline (listed below), not an error.
+        check_images = processor is not None and not args.get("skip_bad_rows")
+        check_rows(every, map_fn, source, findings, max_errors, args.get("image_folder") if check_images else False)
     if findings.count() > errors_before:
         return
     raw = load_trained_part(raw_cfg, every, args["split"], findings, echo)

@@ -110,10 +110,7 @@ def test_ids_equal_the_processors_own(processors, data, arch, form, map_fn):
         labels = np.array(sample["labels"])
         ids = np.array(sample["input_ids"])
         assert not (labels[ids == processor.image_token_id] != IGNORE_INDEX).any()
-        trained = processor.tokenizer.decode(ids[labels != IGNORE_INDEX])
-        answers = [m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]
-                   for m in messages if m["role"] == "assistant"]
-        assert trained.replace(" ", "") == "".join(a.replace(" ", "") + END[arch] for a in answers)
+        assert labels.tolist() == expected_labels(processor, messages)
         # Pixels loaded lazily, as the processor makes them for these images.
         pixels = sample.get("pixel_values")
         if images:
@@ -122,7 +119,24 @@ def test_ids_equal_the_processors_own(processors, data, arch, form, map_fn):
             assert pixels is None
 
 
-END = {"qwen2_5_vl": "<|im_end|>", "llava": "<|im_end|>"}
+def expected_labels(processor, messages: list[dict]) -> list[int]:
+    """The labels derived from the processor alone: answer k is trained from the end of its prompt (the
+    render of messages[:k] with the generation prompt) through the first special token after it, in the
+    render of messages[:k + 1], whose ids start with the prompt's (checked)."""
+    def ids(part, prompt=False):
+        return processor.apply_chat_template(part, tokenize=True, return_dict=True,
+                                             add_generation_prompt=prompt)["input_ids"][0]
+    full = ids(messages)
+    labels = [IGNORE_INDEX] * len(full)
+    specials = set(processor.tokenizer.all_special_ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt, own = ids(messages[:k], prompt=True), ids(messages[:k + 1])
+        assert own[:len(prompt)] == prompt and full[:len(own)] == own
+        end = next(i for i in range(len(prompt), len(own)) if own[i] in specials) + 1
+        labels[len(prompt):end] = own[len(prompt):end]
+    return labels
 
 
 # ---------------------------------------------------------------------------
@@ -351,3 +365,62 @@ def test_processed_image_rows_load_their_pixels_with_the_processor(processors, v
     direct = process_hf_dataset(**{k: v for k, v in node.items() if k != "type"})
     assert loaded[0]["input_ids"] == direct[0]["input_ids"] and loaded[0]["images"] == direct[0]["images"]
     assert torch.equal(loaded[0]["pixel_values"], direct[0]["pixel_values"])
+
+
+def test_image_rows_are_not_streamed(tiny_tokenizer, processors):
+    from datasets import Dataset
+    from sfttool.dataset.streaming import StreamingPackedDataset
+    with pytest.raises(DatasetError, match=r"image-text rows \(processor=...\) are not streamed"):
+        StreamingPackedDataset(Dataset.from_list([{"conversation": [{"input": "Q", "output": "A"}]}]),
+                               tiny_tokenizer, 64, processor=processors["llava"])
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA"])
+def test_pixels_of_grey_and_transparent_images_are_the_processors(processors, tmp_path, mode):
+    from PIL import Image
+    processor = processors["qwen2_5_vl"]
+    Image.open(assets.write_png(tmp_path / "rgb.png", 56, 28, 4)).convert(mode).save(tmp_path / "x.png")
+    path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["x.png"], "messages": [
+        {"role": "user", "content": "<image>Q"}, {"role": "assistant", "content": "A"}]}])
+    dataset, report = run(str(path), processor, "openai_map_fn")
+    (messages, _), = bound_rows(report)
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(dataset[0]["pixel_values"], expected["pixel_values"])
+
+
+def test_images_outside_user_messages_are_refused(processors, tmp_path):
+    from sfttool.dataset.map_fns import MapFnError, openai_map_fn
+    with pytest.raises(MapFnError, match=r"messages\[0\] is a system message with an image; images go in user"):
+        openai_map_fn({"messages": [{"role": "system", "content": [{"type": "image", "image": "a.png"}]},
+                                    {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
+    assets.write_png(tmp_path / "a.png", 28, 28, 0)
+    path = assets.write_jsonl(tmp_path / "x.jsonl", [{"images": ["a.png"], "messages": [
+        {"role": "user", "content": "Q"}, {"role": "assistant", "content": "Look: <image>"}]}])
+    with pytest.raises(DatasetError, match="x.jsonl, row 0: an image in a message of role 'assistant'; images go"):
+        run(str(path), processors["qwen2_5_vl"], "openai_map_fn")
+
+
+def test_relative_paths_are_read_from_each_rows_own_data_file_folder(processors, tmp_path):
+    files = []
+    for name, size in (("a", 28), ("b", 112)):
+        assets.write_png(tmp_path / name / "img.png", size, size, 0)
+        files.append(str(assets.write_jsonl(tmp_path / name / "rows.jsonl", [{"image": "img.png", "conversations": [
+            {"from": "human", "value": "<image>Q"}, {"from": "gpt", "value": "A"}]}])))
+    dataset, _ = run(files, processors["qwen2_5_vl"], "llava_map_fn")
+    assert [row["images"] for row in dataset] == [[str(tmp_path / "a" / "img.png")], [str(tmp_path / "b" / "img.png")]]
+    assert [row["input_ids"].count(processors["qwen2_5_vl"].image_token_id) for row in dataset] == [1, 16]
+
+
+def test_llava_map_fn_is_xtuners_and_is_suggested_for_llava_rows():
+    from sfttool.dataset.map_fns import llava_map_fn
+    from sfttool.dataset.map_fns.suggest import fitting_map_fn
+    row = {"image": "a.jpg", "conversations": [
+        {"from": "gpt", "value": "skipped"}, {"from": "human", "value": "What is this?\n<image>"},
+        {"from": "gpt", "value": "A cat."}, {"from": "human", "value": "<image> <image> both?"},
+        {"from": "gpt", "value": "Yes."}]}
+    notes = []
+    assert llava_map_fn(row, notes) == {"conversation": [{"input": "<image>\nWhat is this?", "output": "A cat."},
+                                                         {"input": "<image> <image> both?", "output": "Yes."}]}
+    assert notes == ["conversation starts with an assistant message (dropped: nothing asked it)"]
+    assert fitting_map_fn(row) == "llava_map_fn"
+    assert fitting_map_fn({"conversations": row["conversations"]}) == "sharegpt_map_fn"

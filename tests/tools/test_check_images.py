@@ -26,11 +26,11 @@ def rows(image):
                                               {"from": "gpt", "value": "Noise."}]}
 
 
-def check(tmp_path, model_dir, data_rows):
+def check(tmp_path, model_dir, data_rows, *extra):
     data = assets.write_jsonl(tmp_path / "data.jsonl", data_rows)
     cfg = tmp_path / "cfg.py"
     cfg.write_text(CONFIG.format(data=str(data), model=str(model_dir)))
-    result = CliRunner().invoke(cli, ["check-custom-dataset", str(cfg), "--no-color"])
+    result = CliRunner().invoke(cli, ["check-custom-dataset", str(cfg), "--no-color", *extra])
     return result.exit_code, result.output
 
 
@@ -53,3 +53,6 @@ def test_every_bad_image_is_listed(tmp_path, tiny_tokenizer_dir):
     data = tmp_path / "data.jsonl"
     assert f"{data}, row 1: image {tmp_path}/gone.png not found" in out
     assert f"{data}, row 2: image {tmp_path}/lost.png not found" in out
+    code, out = check(tmp_path, model, [rows("ok.png"), rows("gone.png"), rows("lost.png")], "--skip-bad-rows")
+    assert code == 0, out
+    assert "dropped 2 rows: image not found (--skip-bad-rows) (row 1, row 2)" in out
