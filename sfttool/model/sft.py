@@ -11,6 +11,8 @@ other on every backend. A padding mask or a KV cache would silently undo that.
 (Flash-attention reads the boundaries from one row only, so with it the batch
 runs as a single row.) Under sequence parallelism (``sfttool.parallel``) each
 rank runs its slice of every row, and attention reads the whole rows' positions.
+An image-text batch's pixels (and grids) go to the model with the ids, and each
+packed sample gets its own multimodal positions (``sfttool.model.vision``).
 """
 from __future__ import annotations
 

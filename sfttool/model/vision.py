@@ -1,9 +1,9 @@
 """Vision-language checkpoints (image-text-to-text classes: Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3, ...)
-trained on text rows.
+trained on text and image-text rows.
 
-Such a model is a vision tower and a projector beside a language model. Text rows reach only the
-language model and its head; the rest is frozen (``freeze_vision_tower``) and left out of LoRA's
-default targets, so the export holds the vision weights exactly as they were loaded:
+Such a model is a vision tower and a projector beside a language model (``PARTS``). By default the
+vision tower and projector are frozen and left out of LoRA's targets, so the export holds their weights
+exactly as they were loaded; ``freeze_parts`` and the LoRA settings choose otherwise:
 
     model = dict(type=SupervisedFinetune, llm=dict(type=AutoModelForImageTextToText.from_pretrained, ...))
 

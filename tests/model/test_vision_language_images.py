@@ -129,6 +129,16 @@ def test_a_packed_row_with_images_trains_like_its_samples(vlm, arch, loss_implem
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_validation_sums_the_losses_of_packed_rows_with_images(vlm, arch):
+    """What validation adds up per row (``summed_row_losses``): the token mean of the checkpoint's own loss."""
+    folder, samples = vlm[arch]
+    model = make_vlm(folder)
+    with torch.no_grad():
+        sums, counts = model.summed_row_losses(collate(samples))
+    assert torch.allclose((sums.sum() / counts.sum()).float(), own_loss(model, samples), atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_the_pixels_reach_the_model(vlm, arch):
     folder, samples = vlm[arch]
     model = make_vlm(folder)
