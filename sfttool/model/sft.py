@@ -34,8 +34,8 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder, vision_language_targets
-from sfttool.model.vision import (freeze_parts, image_inputs, is_vision_language, multimodal_position_ids,
-                                  uses_multimodal_rope, vision_parameters)
+from sfttool.model.vision import (check_vision_settings, freeze_parts, image_inputs, is_vision_language,
+                                  multimodal_position_ids, uses_multimodal_rope, vision_parameters)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -431,23 +431,6 @@ class SupervisedFinetune(BaseModel):
             destination.update(state)
             return destination
         return state
-
-
-def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
-                          freeze_llm: bool, lora_vision_tower: bool) -> None:
-    """The freeze switches and LoRA agree, and something trains."""
-    if use_lora and not freeze_vision_tower:
-        raise ConfigBuildError("model.freeze_vision_tower=False with model.lora: set model.lora_vision_tower=True "
-                               "for LoRA on the vision tower, or lora=None to train it whole")
-    if lora_vision_tower and not use_lora:
-        raise ConfigBuildError("model.lora_vision_tower=True needs model.lora (LoRA settings); for full fine-tuning "
-                               "of the vision tower set freeze_vision_tower=False instead")
-    if use_lora and freeze_llm and not lora_vision_tower:
-        raise ConfigBuildError("model.freeze_llm=True with model.lora: LoRA would adapt nothing; set "
-                               "model.lora_vision_tower=True, or lora=None to train the projector alone")
-    if not use_lora and freeze_llm and freeze_vision_tower and freeze_projector in (None, True):
-        raise ConfigBuildError("model.freeze_llm=True with the vision tower and projector frozen: nothing trains; "
-                               "set model.freeze_projector=False (e.g. LLaVA's pretraining stage)")
 
 
 def check_loss_settings(reduction: str, implementation: str, chunk_size: Any) -> None:

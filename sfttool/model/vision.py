@@ -140,6 +140,23 @@ def freeze_parts(llm: Any, freeze_vision_tower: bool, freeze_projector: bool | N
             p.requires_grad_(False)
 
 
+def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
+                          freeze_llm: bool, lora_vision_tower: bool) -> None:
+    """The freeze switches and LoRA agree, and something trains."""
+    if use_lora and not freeze_vision_tower:
+        raise ConfigBuildError("model.freeze_vision_tower=False with model.lora: set model.lora_vision_tower=True "
+                               "for LoRA on the vision tower, or lora=None to train it whole")
+    if lora_vision_tower and not use_lora:
+        raise ConfigBuildError("model.lora_vision_tower=True needs model.lora (LoRA settings); for full fine-tuning "
+                               "of the vision tower set freeze_vision_tower=False instead")
+    if use_lora and freeze_llm and not lora_vision_tower:
+        raise ConfigBuildError("model.freeze_llm=True with model.lora: LoRA would adapt nothing; set "
+                               "model.lora_vision_tower=True, or lora=None to train the projector alone")
+    if not use_lora and freeze_llm and freeze_vision_tower and freeze_projector in (None, True):
+        raise ConfigBuildError("model.freeze_llm=True with the vision tower and projector frozen: nothing trains; "
+                               "set model.freeze_projector=False (e.g. LLaVA's pretraining stage)")
+
+
 def quantization_skip_modules(cls: Any, config: Any) -> list[str]:
     """Modules a 4-bit load of a vision-language ``config`` keeps unquantized: the vision tower, the
     projector and the output head (bitsandbytes' ``llm_int8_skip_modules``; naming any replaces
