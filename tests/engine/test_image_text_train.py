@@ -214,3 +214,18 @@ def test_the_shipped_image_text_configs_train_a_tiny_model(tmp_path, image_data,
     assert (out / "hf_adapter" / "adapter_model.safetensors").is_file()
     assert (out / "hf_adapter" / "processor_config.json").is_file()
     assert sorted(p.name for p in (out / "eval_outputs").iterdir()) == ["iter_0.jsonl", "iter_1.jsonl"]
+
+
+def test_chat_with_an_image_needs_a_model_with_a_processor_and_a_readable_image(tmp_path, tiny_qwen2_dir,
+                                                                                image_data):
+    from sfttool.cli.main import cli
+
+    image = assets.write_png(tmp_path / "a.png", 28, 28)
+    result = CliRunner().invoke(cli, ["chat", str(tiny_qwen2_dir), "--image", str(image), "--prompt", "hi"])
+    assert result.exit_code != 0
+    assert (f"--image: {tiny_qwen2_dir} has no processor (processor_config.json / preprocessor_config.json): chat "
+            "with images needs an image-text model and its processor files") in result.output
+    broken = tmp_path / "b.png"
+    broken.write_bytes(b"not an image")
+    result = CliRunner().invoke(cli, ["chat", str(image_data["model_dir"]), "--image", str(broken), "--prompt", "hi"])
+    assert result.exit_code != 0 and f"--image {broken}: not a readable image (" in result.output
