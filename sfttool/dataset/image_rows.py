@@ -159,6 +159,19 @@ def image_name(path: str) -> str:
     return f"{path[:40]}..." if path.startswith("data:") else path
 
 
+def _orientation(image) -> int | None:
+    """The EXIF Orientation from what the header holds. A PNG's ``getexif()`` decodes the whole image to look
+    for an eXIf chunk after the pixels, so a PNG's is read only when its eXIf chunk comes first."""
+    from PIL import Image
+    if image.format != "PNG":
+        return image.getexif().get(0x0112)
+    if not image.info.get("exif"):
+        return None
+    exif = Image.Exif()
+    exif.load(image.info["exif"])
+    return exif.get(0x0112)
+
+
 def image_size(path: str, row: int, source: str | None) -> list[int]:
     """``[height, width]`` as the processor will see the image (EXIF rotation applied, as transformers'
     ``load_image`` does), from its header."""
@@ -168,11 +181,22 @@ def image_size(path: str, row: int, source: str | None) -> list[int]:
     try:
         with _open(path) as image:
             width, height = image.size
-            rotated = image.getexif().get(0x0112) in (5, 6, 7, 8)  # Orientation: a quarter turn
+            rotated = _orientation(image) in (5, 6, 7, 8)  # a quarter turn
     except (UnidentifiedImageError, OSError, ValueError, binascii.Error, SyntaxError) as exc:
         raise ImageRowError(f"{where(row, source)}: image {image_name(path)} cannot be read "
                             f"({type(exc).__name__}: {exc}); replace or remove it", DROP_UNREADABLE) from None
     return [width, height] if rotated else [height, width]
+
+
+def decode_image(path: str, row: int, source: str | None) -> None:
+    """Decode the whole image (``check-custom-dataset --decode-images``): a file whose header reads but whose
+    pixels do not (a download cut short) is an ``ImageRowError`` here rather than when its row is read."""
+    try:
+        with _open(path) as image:
+            image.load()
+    except (OSError, ValueError, binascii.Error, SyntaxError) as exc:
+        raise ImageRowError(f"{where(row, source)}: image {image_name(path)} cannot be decoded "
+                            f"({type(exc).__name__}: {exc}); replace or remove it", DROP_UNREADABLE) from None
 
 
 # ---------------------------------------------------------------------------

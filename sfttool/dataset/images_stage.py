@@ -14,10 +14,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sfttool.compat import processors_without_torchvision
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.fingerprint import tokenizer_digest
 from sfttool.dataset.image_rows import (IMAGES_COLUMN, LLAVA_COLUMN, SIZES_COLUMN, ImageRowError, bind_row)
 from sfttool.dataset.report import PipelineReport
 from sfttool.dataset.stages import row_name
+from sfttool.registry import build_if_config
+from sfttool.utils.templates import is_hf_chat_template
 
 __all__ = ["IMAGES_COLUMN", "IMAGE_COLUMNS", "SIZES_COLUMN", "bind_images", "build_processor", "check_image_template",
            "count_cut_before_images", "has_image_rows", "processor_digest"]
@@ -32,8 +36,6 @@ def build_processor(processor: Any) -> Any:
     without torchvision where it is missing (``compat.processors_without_torchvision``)."""
     if processor is None or not isinstance(processor, dict):
         return processor
-    from sfttool.compat import processors_without_torchvision
-    from sfttool.registry import build_if_config
     processors_without_torchvision()
     return build_if_config(processor, "processor")
 
@@ -41,7 +43,6 @@ def build_processor(processor: Any) -> Any:
 def check_image_template(template: Any, processor: Any, pack_strategy: Any = None) -> None:
     """With a processor, its own chat template renders the rows (a prompt template would not), and packing
     keeps samples whole (``concat`` would cut a sample from its images)."""
-    from sfttool.utils.templates import is_hf_chat_template
     if processor is None:
         return
     if template is not None and not is_hf_chat_template(template):
@@ -56,7 +57,6 @@ def processor_digest(processor: Any) -> str | None:
     """Hash of what decides the image tokens: the processor's settings and chat template."""
     if processor is None:
         return None
-    from sfttool.dataset.fingerprint import tokenizer_digest
     image = processor.image_processor.to_json_string() if hasattr(processor, "image_processor") else ""
     text = json.dumps([type(processor).__name__, image, str(getattr(processor, "chat_template", "")),
                        getattr(processor, "image_token", None), tokenizer_digest(processor.tokenizer)])

@@ -26,7 +26,7 @@ from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset, pip
 from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.image_tokens import image_token_id
-from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN, bind_row
+from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN, bind_row, decode_image
 from sfttool.dataset.images_stage import build_processor, data_folder
 from sfttool.dataset.data_sources import process_data_sources, run_sources, source_lines
 from sfttool.dataset.mix import mix_datasets
@@ -64,14 +64,16 @@ def check_settings(args: dict, raw, map_fn, source: str | None, findings: Findin
 
 
 def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int,
-               image_folder: Any = False) -> None:
+               image_folder: Any = False, decode_images: bool = False) -> None:
     """Run the pipeline's map fn stage and the schema check on every row; list the first errors.
-    ``image_folder`` (None or a folder; False: not image data) checks each row's images too."""
-    collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source, image_folder), findings,
-                       max_errors)
+    ``image_folder`` (None or a folder; False: not image data) checks each row's images too, decoding
+    them whole with ``decode_images``."""
+    collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source, image_folder, decode_images),
+                       findings, max_errors)
 
 
-def check_row(row: dict, index: int, map_fn, source: str | None, image_folder: Any = False) -> None:
+def check_row(row: dict, index: int, map_fn, source: str | None, image_folder: Any = False,
+              decode_images: bool = False) -> None:
     """One raw row through the map fn stage, then strictly against the standard schema: a row the
     pipeline would drop whole is an error here, named with the cause the pipeline counts it under.
     Image data (``image_folder`` not False): its images found, readable and one per placeholder."""
@@ -86,7 +88,9 @@ def check_row(row: dict, index: int, map_fn, source: str | None, image_folder: A
     check_turn_keys(conversation, index, source)
     if image_folder is not False:
         given = row.get(IMAGES_COLUMN) if row.get(IMAGES_COLUMN) is not None else row.get(LLAVA_COLUMN)
-        bind_row(conversation, given, image_folder, data_folder(source, index), index, source)
+        _, paths, _ = bind_row(conversation, given, image_folder, data_folder(source, index), index, source)
+        for path in paths if decode_images else ():
+            decode_image(path, index, source)
 
 
 # ---------------------------------------------------------------------------
@@ -233,11 +237,12 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
 # The command.
 
 def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Echo = print,
-                  color: bool = False, skip_bad_rows: bool = False) -> int:
+                  color: bool = False, skip_bad_rows: bool = False, decode_images: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
     A ``mix_datasets`` node is checked dataset by dataset, a ``process_data_sources`` node source by
     source. ``skip_bad_rows``: as ``sfttool train --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
+    ``decode_images``: image-text rows' images are decoded whole, not only their headers read.
     """
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
@@ -257,10 +262,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
         for i, part in enumerate(parts):
             echo(f"\n######## mix_datasets: dataset {i + 1} of {len(parts)} ########")
             check_one(_plain(part, f"{cfg.filename}: train_dataloader.dataset.datasets[{i}]"), findings,
-                      max_errors, echo, color, batch_size)
+                      max_errors, echo, color, batch_size, decode_images)
     else:
         check_one(_plain(node, f"{cfg.filename}: train_dataloader.dataset"), findings, max_errors, echo, color,
-                  batch_size)
+                  batch_size, decode_images)
     return finish(findings, echo)
 
 
@@ -274,8 +279,9 @@ def _plain(node: Any, key: str) -> dict:
 
 
 def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
-              batch_size: int | None) -> None:
-    """All checks and printouts for one process_hf_dataset node."""
+              batch_size: int | None, decode_images: bool = False) -> None:
+    """All checks and printouts for one process_hf_dataset node (``decode_images``: each image decoded whole
+    too, which finds a file whose header reads but whose pixels do not)."""
     args = pipeline_args(node)
     errors_before = findings.count()
     raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
@@ -295,7 +301,8 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         echo(f"Validating all {len(every)} rows ...")
         # With skip_bad_rows a bad image is a counted drop of the pipeline (listed below), not an error.
         check_images = processor is not None and not args.get("skip_bad_rows")
-        check_rows(every, map_fn, source, findings, max_errors, args.get("image_folder") if check_images else False)
+        check_rows(every, map_fn, source, findings, max_errors, args.get("image_folder") if check_images else False,
+                   decode_images)
     if findings.count() > errors_before:
         return
     raw = load_trained_part(raw_cfg, every, args["split"], findings, echo)

@@ -56,3 +56,14 @@ def test_every_bad_image_is_listed(tmp_path, tiny_tokenizer_dir):
     code, out = check(tmp_path, model, [rows("ok.png"), rows("gone.png"), rows("lost.png")], "--skip-bad-rows")
     assert code == 0, out
     assert "dropped 2 rows: image not found (--skip-bad-rows) (row 1, row 2)" in out
+
+
+def test_decode_images_finds_a_file_cut_short(tmp_path, tiny_tokenizer_dir):
+    model = assets.build_tiny_vlm(tmp_path / "m", tiny_tokenizer_dir, "llava")
+    whole = assets.write_png(tmp_path / "ok.png", 28, 28, 0).read_bytes()
+    (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])  # the header reads, the pixels do not
+    code, out = check(tmp_path, model, [rows("ok.png"), rows("cut.png")])
+    assert code == 0, out  # headers only: building never decodes a pixel
+    code, out = check(tmp_path, model, [rows("ok.png"), rows("cut.png")], "--decode-images")
+    assert code == 1
+    assert f"data.jsonl, row 1: image {tmp_path}/cut.png cannot be decoded (OSError" in out
