@@ -15,17 +15,34 @@ tokenizer's chat template):
 - the same per CPU second (the process's threads and its map processes), the
   figure that holds on a loaded machine, where wall-clock time does not;
 - the tokenizer calls' share of each pipeline run's CPU time, measured in the
-  same process (``tokenizer_cpu_share``).
+  same process (``tokenizer_cpu_share``; ``tokenizer_share_after_load`` of the
+  CPU time after ``load_dataset``);
+- ``load_dataset``'s own CPU time in each run (``load_cpu_seconds``: reading the
+  file into Arrow, and its first use's imports), and the fraction of the limit
+  by the CPU time of the pipeline's work after it (``cpu_fraction_after_load``).
+  For the stream, whose reading happens as it is iterated, only the call counts.
+
+Any other encode entry point (a lazy dataset's reads, a worker's batches) is
+measured the same way: ``--entry NAME=FILE.py:FUNCTION`` adds the cases
+``NAME_packed`` and ``NAME_unpacked``, each ``FUNCTION(tokenizer, data_file,
+max_length, packed, template)`` returning the tokens it produced; or, inside the
+process that does the work, ``with CpuMeter() as meter: ...`` then
+``meter.fractions(tokens, limit_tokens_per_cpu_s(tokenizer, texts))``.
 
 Each measurement runs in a fresh process pinned to 1, 2, ... cores
 (``os.sched_setaffinity``), with fresh caches, so nothing is reused.
 
     python benchmarks/tokenizer_limit.py --rows 5000 --cores 1,2
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --template hf_chat_template
+    python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --entry lazy=my_bench.py:run_lazy
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import importlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -51,8 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cores", default=None, help="core counts to pin to (default: 1, 2, all)")
     p.add_argument("--template", default="qwen_chat", help="a PROMPT_TEMPLATE name (default qwen_chat), e.g. "
                    "hf_chat_template: the tokenizer's own chat template")
+    p.add_argument("--entry", action="append", default=[], metavar="NAME=FILE.py:FUNCTION",
+                   help="another encode entry point to measure: FUNCTION(tokenizer, data_file, max_length, packed, "
+                        "template) -> tokens produced (FILE.py or an importable module); repeatable")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for entry in args.entry:
+        name, _, spec = entry.partition("=")
+        if not name or ":" not in spec or name in ("limit", "map", "stream"):
+            p.error(f"--entry {entry!r}: expected NAME=FILE.py:FUNCTION, NAME not limit, map or stream")
+    return args
 
 
 def texts_to_tokenize(data_file: str, tok, template: str) -> list[str]:
@@ -89,7 +115,7 @@ def run_map(tok, data_file: str, max_length: int, packed: bool, template: str) -
     out = process_hf_dataset(dataset=dict(type=load_dataset, path="json", data_files=data_file), tokenizer=tok,
                              max_length=max_length, template_map_fn=template_map_fn_factory(template),
                              pack_to_max_length=packed, seed=0)
-    return int(sum(len(ids) for ids in out["input_ids"]))
+    return lambda: int(sum(out.with_format("arrow")["length"].to_numpy()))  # counted after the clock stops
 
 
 def run_stream(tok, data_file: str, max_length: int, packed: bool, template: str) -> int:
@@ -105,7 +131,20 @@ def run_stream(tok, data_file: str, max_length: int, packed: bool, template: str
     return sum(len(row["input_ids"]) for row in stream)
 
 
-def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int, template: str = "qwen_chat") -> dict:
+def load_entry(spec: str) -> Callable:
+    """``FILE.py:FUNCTION`` or ``module:FUNCTION`` -> the function."""
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int, template: str = "qwen_chat",
+            entries: dict[str, str] | None = None) -> dict:
     """One case in this (fresh, spawned) process, pinned to the first ``cores`` cores."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
     cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
@@ -116,40 +155,99 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
     import sfttool.dataset.streaming  # noqa: F401
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    kind, _, layout = case.partition("_")
+    kind, _, layout = case.rpartition("_") if case != "limit" else ("limit", "", "")
+    runs = {"map": run_map, "stream": run_stream, **{name: load_entry(spec) for name, spec in (entries or {}).items()}}
     texts = texts_to_tokenize(data_file, tok, template) if kind == "limit" else None  # the tokenizer alone
-    tokenizer_cpu = _time_tokenizer_calls()
-    start, cpu_start = time.perf_counter(), _cpu_seconds()
-    if kind == "limit":
-        tokens = run_limit(tok, texts)
-    elif kind == "map":
-        tokens = run_map(tok, data_file, max_length, layout == "packed", template)
-    else:
-        tokens = run_stream(tok, data_file, max_length, layout == "packed", template)
+    start = time.perf_counter()
+    with CpuMeter() as meter:
+        if kind == "limit":
+            tokens = run_limit(tok, texts)
+        else:
+            tokens = runs[kind](tok, data_file, max_length, layout == "packed", template)
     seconds = time.perf_counter() - start
-    cpu = max(_cpu_seconds() - cpu_start, 0.01)  # the clock's tick: a tiny run may read 0
-    share = {} if kind == "limit" else {"tokenizer_cpu_share": round(tokenizer_cpu[0] / cpu, 3)}
+    tokens = tokens() if callable(tokens) else tokens
+    cpu = meter.cpu_seconds
+    share = {} if kind == "limit" else {"tokenizer_cpu_share": round(meter.tokenizer_cpu_seconds / cpu, 3),
+                                        "load_cpu_seconds": round(meter.load_cpu_seconds, 2),
+                                        "tokenizer_share_after_load": round(meter.tokenizer_cpu_seconds
+                                                                            / meter.cpu_after_load, 3),
+                                        "tokens_per_cpu_s_after_load": round(tokens / meter.cpu_after_load)}
     return {"case": case, "cores": cores, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
             "tokens": tokens, "tokens_per_s": round(tokens / seconds), "tokens_per_cpu_s": round(tokens / cpu),
             **share}
 
 
-def _time_tokenizer_calls() -> list[float]:
-    """Count the CPU time of the pipeline's tokenizer calls (``encode.batch_token_ids``): their share of the
-    run's CPU, measured in the same process and so stretched alike by the machine's load, is the fraction
-    that single runs of the limit and the pipeline, seconds apart, estimate with more noise. Map processes
-    would not be counted (one process at these sizes)."""
-    from sfttool.dataset import encode
-    spent, inner = [0.0], encode.batch_token_ids
+def limit_tokens_per_cpu_s(tok, texts: list[str]) -> float:
+    """The limit in this process: tokens per CPU second of the tokenizer's batch encode of ``texts``."""
+    with CpuMeter() as meter:
+        tokens = run_limit(tok, texts)
+    return tokens / meter.cpu_seconds
 
+
+class CpuMeter:
+    """CPU seconds of a block of work in this process: in all (``_cpu_seconds``), in the tokenizer's calls
+    (``encode.batch_token_ids``) and in ``datasets.load_dataset``. Any encode entry point (a lazy dataset's
+    reads, a worker's batches) can be measured in the process that runs it::
+
+        with CpuMeter() as meter:
+            tokens = run(...)
+        meter.fractions(tokens, limit_tokens_per_cpu_s(tokenizer, texts))
+    """
+
+    def __enter__(self) -> "CpuMeter":
+        import datasets
+
+        from sfttool.dataset import encode
+        self._stack = contextlib.ExitStack()
+        self._tokenizer = _timed_attribute(self._stack, [encode], "batch_token_ids")
+        self._load = _timed_attribute(self._stack, [datasets, datasets.load], "load_dataset")
+        self._start = _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # the clock's tick: a tiny run may read 0
+        self.cpu_seconds = max(_cpu_seconds() - self._start, 0.01)
+        self.tokenizer_cpu_seconds, self.load_cpu_seconds = self._tokenizer[0], self._load[0]
+        self.cpu_after_load = max(self.cpu_seconds - self.load_cpu_seconds, 0.01)
+        self._stack.close()
+
+    def fractions(self, tokens: int, limit_per_cpu_s: float) -> dict:
+        """The work's tokens per CPU second against the limit's: in all and after ``load_dataset``."""
+        return {"cpu_fraction_of_limit": round(tokens / self.cpu_seconds / limit_per_cpu_s, 3),
+                "cpu_fraction_after_load": round(tokens / self.cpu_after_load / limit_per_cpu_s, 3),
+                "tokenizer_cpu_share": round(self.tokenizer_cpu_seconds / self.cpu_seconds, 3),
+                "tokenizer_share_after_load": round(self.tokenizer_cpu_seconds / self.cpu_after_load, 3),
+                "load_cpu_seconds": round(self.load_cpu_seconds, 2)}
+
+
+def _timed_attribute(stack: contextlib.ExitStack, modules: list, name: str) -> list[float]:
+    """Replace ``name`` in ``modules`` with a wrapper that adds its calls' CPU seconds to the returned
+    list (calls nested inside an outer timed call are counted once), until ``stack`` closes."""
+    spent, inner, depth = [0.0], getattr(modules[0], name), [0]
+
+    @functools.wraps(inner)  # keeps its name: a config's ``type=load_dataset`` is recognised as such
     def timed(*args, **kwargs):
         start = _cpu_seconds()
+        depth[0] += 1
         try:
             return inner(*args, **kwargs)
         finally:
-            spent[0] += _cpu_seconds() - start
-    encode.batch_token_ids = timed
+            depth[0] -= 1
+            if depth[0] == 0:
+                spent[0] += _cpu_seconds() - start
+    for module in modules:
+        stack.enter_context(_replaced(module, name, timed))
     return spent
+
+
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def _cpu_seconds() -> float:
@@ -172,20 +270,25 @@ def main(argv=None) -> int:
     data_file = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
     with open(data_file, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
+    entries = dict(entry.split("=", 1) for entry in args.entry)
+    cases = CASES + tuple(f"{name}_{layout}" for name in entries for layout in ("packed", "unpacked"))
     results = []
     print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "
-          f"{'tokenizer':>9}")
+          f"{'load s':>6} {'after load':>10} {'tokenizer':>9} {'after load':>10}")
     for n in cores:
         limit = None
-        for case in CASES:
-            r = in_child(case, n, tok_dir, data_file, args.max_length, args.template)
+        for case in cases:
+            r = in_child(case, n, tok_dir, data_file, args.max_length, args.template, entries)
             limit = limit or r
             r["fraction_of_limit"] = round(r["tokens_per_s"] / limit["tokens_per_s"], 3)
             r["cpu_fraction_of_limit"] = round(r["tokens_per_cpu_s"] / limit["tokens_per_cpu_s"], 3)
+            r["cpu_fraction_after_load"] = round(r.get("tokens_per_cpu_s_after_load", r["tokens_per_cpu_s"])
+                                                 / limit["tokens_per_cpu_s"], 3)
             results.append(r)
             print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%} "
-                  f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} "
-                  f"{r.get('tokenizer_cpu_share', 1.0):9.1%}", flush=True)
+                  f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} {r.get('load_cpu_seconds', 0):6.2f} "
+                  f"{r['cpu_fraction_after_load']:10.1%} {r.get('tokenizer_cpu_share', 1.0):9.1%} "
+                  f"{r.get('tokenizer_share_after_load', 1.0):10.1%}", flush=True)
     write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
                  template=args.template,
                  load_average=[round(x, 2) for x in os.getloadavg()], results=results)

@@ -649,6 +649,44 @@ def processors_without_torchvision() -> None:
     mapping.__class__ = _Mapping
 
 
+# ---------------------------------------------------------------------------
+# Rendering every prefix of one conversation through a tokenizer's jinja chat template.
+
+def chat_prefix_renderer(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                         **kwargs: Any) -> Callable[[int, bool], str] | None:
+    """``render(k, add_generation_prompt)`` = ``tokenizer.apply_chat_template(messages[:k], tools=tools,
+    tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)``, the same text at about half
+    the cost, or None where that cannot be promised (the caller calls ``apply_chat_template`` then).
+
+    transformers 5.x (checked on 5.25): each ``apply_chat_template`` call rebuilds every message it is
+    given (drops None values, copies them as plain data, aliases the reasoning fields; message by message)
+    and the template's keyword arguments before its jinja render, so rendering each prefix of a
+    conversation, as the chat-template encoder does for every answer, rebuilds its first messages again
+    and again: half of the render's time. Here transformers' own helpers rebuild the messages once and each
+    prefix is a slice of them (the sandboxed template cannot modify them). None when the tokenizer's
+    ``apply_chat_template`` is not transformers' own (a processor, a built-in ``ChatFormat``), a tool is
+    not a JSON schema, or these helpers moved; ``tests/test_compat.py`` compares both renders."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                            _normalize_chat_messages, _plain_template_data)
+    except ImportError:
+        return None
+    if (getattr(type(tokenizer), "apply_chat_template", None) is not PreTrainedTokenizerBase.apply_chat_template
+            or not messages or any(not isinstance(tool, dict) for tool in tools or [])):
+        return None
+    template = _compile_jinja_template(tokenizer.get_chat_template(None, tools))
+    chat = _alias_reasoning_fields(_plain_template_data(_normalize_chat_messages(messages)))
+    context = dict(tools=_plain_template_data(tools), documents=None,
+                   **_plain_template_data({**tokenizer.special_tokens_map, **kwargs}))
+
+    def render(k: int, add_generation_prompt: bool) -> str:
+        if k == 0:  # as apply_chat_template refuses it
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        return template.render(messages=chat[:k], add_generation_prompt=add_generation_prompt, **context)
+    return render
+
+
 def apply_all() -> None:
     """Apply every patch sfttool needs (config loading and training)."""
     patch_mmengine_package_lookup()

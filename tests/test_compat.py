@@ -222,3 +222,55 @@ def test_an_image_text_processor_saves_loads_and_expands_images_without_torchvis
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert int((out["input_ids"] == pad).sum()) == 4
     assert tuple(out["pixel_values"].shape) == (16, 3 * 2 * 14 * 14)
+
+
+TEMPLATES = Path(__file__).resolve().parent / "assets" / "templates"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CHAT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "reasoning_content": "Add.", "content": "4."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "12 C", "name": None},
+        {"role": "assistant", "reasoning": "Under another name.", "content": "12 C in Oslo."},
+        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome."}]
+
+
+def _outcome(render):
+    try:
+        return "text", render()
+    except Exception as exc:  # a template may refuse a prefix: both must refuse it alike
+        return "error", f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("jinja, family", [("Qwen-Qwen3-0.6B.jinja", "qwen"),
+                                           ("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen"),
+                                           ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3")])
+def test_chat_prefix_renders_equal_apply_chat_template(tmp_path, jinja, family):
+    """transformers 5.x's apply_chat_template rebuilds every message on each call; the prefix renderer
+    rebuilds them once: the same text for every prefix, with and without the generation prompt, with tools,
+    reasoning (under both its names), a None field and a template argument. When transformers moves its
+    helpers the renderer is None (the encoder then calls apply_chat_template) and this fails."""
+    from transformers import AutoTokenizer
+
+    from sfttool import assets
+    from sfttool.dataset.chat_format import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.build_chat_tokenizer(tmp_path, family,
+                                                                          (TEMPLATES / jinja).read_text()))
+    refused = []
+    for tools, kwargs in [(None, {}), ([WEATHER], {"enable_thinking": False})]:
+        fast = compat.chat_prefix_renderer(tokenizer, CHAT, tools, **kwargs)
+        assert fast is not None
+        for k in range(len(CHAT) + 1):
+            for generation in (False, True):
+                expected = _outcome(lambda: tokenizer.apply_chat_template(
+                    CHAT[:k], tools=tools, tokenize=False, add_generation_prompt=generation, **kwargs))
+                assert _outcome(lambda: fast(k, generation)) == expected, (k, generation, tools)
+                refused += [k] if expected[0] == "error" else []
+    # Refused alike: the empty conversation (apply_chat_template's own check) and, for Llama-3.1 with tools,
+    # the system prompt alone (its template's); every longer prefix rendered.
+    assert refused.count(0) == 4 and max(refused) <= 1
+    assert compat.chat_prefix_renderer(tokenizer, CHAT, [len]) is None  # a function as a tool: transformers' path
+    assert compat.chat_prefix_renderer(ChatFormat({}), CHAT) is None

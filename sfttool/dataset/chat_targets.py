@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
+from sfttool import compat
 from sfttool.dataset.conversation import content_text, flag, row_tools, to_messages
 from sfttool.dataset.errors import DatasetError, where
 from sfttool.dataset.unrendered import TOOL_CALLS, Unrendered, unrendered_text
@@ -50,9 +51,31 @@ class Answer:
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
            row: int | None = None, **kwargs: Any) -> str:
     """``apply_chat_template`` as text; a jinja error is a DatasetError naming the row."""
+    return _rendering(row, lambda: tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+
+
+def prefix_renders(tokenizer, messages: list[dict], tools: list[dict] | None = None, row: int | None = None,
+                   **kwargs: Any) -> Callable[[int, bool], str]:
+    """``rendered(k, add_generation_prompt)`` = ``render(tokenizer, messages[:k], add_generation_prompt, ...)``,
+    each prefix rendered once (the whole conversation is the last answer's own render) and, for a jinja
+    template, with the messages prepared once for every prefix (``compat.chat_prefix_renderer``)."""
+    fast = _rendering(row, lambda: compat.chat_prefix_renderer(tokenizer, messages, tools or None, **kwargs))
+    done: dict[tuple[int, bool], str] = {}
+
+    def rendered(k: int, add_generation_prompt: bool) -> str:
+        key = (k, add_generation_prompt)
+        if key not in done:
+            done[key] = (_rendering(row, lambda: fast(k, add_generation_prompt)) if fast is not None else
+                         render(tokenizer, messages[:k], add_generation_prompt, tools, row, **kwargs))
+        return done[key]
+    return rendered
+
+
+def _rendering(row: int | None, call: Callable[[], Any]) -> Any:
+    """``call()``, a jinja error (or a ``CHAT_FORMAT``'s own) a DatasetError naming the row."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        return call()
     except DatasetError as exc:  # a template's built-in CHAT_FORMAT says itself what it cannot render
         raise DatasetError(f"{where(row)}: {exc}") from None
     except Exception as exc:  # jinja raises its own types (e.g. "System role not supported")
@@ -112,10 +135,9 @@ def template_kwargs(messages: list[dict], options: dict) -> dict:
     return {}
 
 
-def _answer(tokenizer, messages: list[dict], k: int, tools, kwargs: dict, specials: list[str],
-            train_reasoning: bool, row: int | None) -> Answer:
-    prompt = render(tokenizer, messages[:k], True, tools, row, **kwargs)
-    own = render(tokenizer, messages[:k + 1], False, tools, row, **kwargs)
+def _answer(rendered: Callable[[int, bool], str], tokenizer, messages: list[dict], k: int, tools, kwargs: dict,
+            specials: list[str], train_reasoning: bool, row: int | None) -> Answer:
+    prompt, own = rendered(k, True), rendered(k + 1, False)
     if not own.startswith(prompt):
         raise unstable(row)
     end = _trained_end(own, len(prompt), len(own), _anchors(messages[k]), specials)
@@ -154,6 +176,7 @@ def chat_template_samples(conversation: list[dict], tokenizer, specials: list[st
     tools = row_tools(conversation)
     kwargs = template_kwargs(messages, options)
     plain = [{k: v for k, v in m.items() if k != "loss"} for m in messages]
+    rendered = prefix_renders(tokenizer, plain, tools, row, **kwargs)
     answers = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -162,8 +185,8 @@ def chat_template_samples(conversation: list[dict], tokenizer, specials: list[st
         trained = message["loss"] if "loss" in message else flag(conversation[owners[k]], "output_with_loss")
         if trained:
             train_reasoning = message.get("loss") is True or options.get("train_on_reasoning", True)
-            answers.append(_answer(tokenizer, plain, k, tools, kwargs, specials, train_reasoning, row))
-    full = render(tokenizer, plain, False, tools, row, **kwargs)
+            answers.append(_answer(rendered, tokenizer, plain, k, tools, kwargs, specials, train_reasoning, row))
+    full = rendered(len(plain), False)
     groups = _groups(answers) or [[]]
     samples = []
     for i, group in enumerate(groups):

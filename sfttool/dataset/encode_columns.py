@@ -96,8 +96,11 @@ def flat_columns(flat: FlatSamples, max_length: int | np.ndarray, why_untrained:
     limit = max_length if np.isscalar(max_length) else np.repeat(max_length, full)  # [tokens] when per sample
     kept, trained = position < limit, labels != IGNORE_INDEX
     first = np.full(n, -1, np.int64)
-    samples_trained, at = np.unique(sample[trained], return_index=True)  # in order: the first is the earliest
-    first[samples_trained] = position[trained][at]
+    at = np.flatnonzero(trained)  # [trained tokens], in order
+    owner = sample[at]  # sorted: each sample's first trained token is where the owner changes (no sort needed)
+    starts = np.ones(len(at), bool)
+    np.not_equal(owner[1:], owner[:-1], out=starts[1:])
+    first[owner[starts]] = position[at[starts]]
     for i in np.flatnonzero(first < 0):
         first[i] = why_untrained(int(i))
     return {"input_ids": ids[kept], "labels": labels[kept],
