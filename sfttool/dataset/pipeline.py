@@ -62,11 +62,22 @@ def number_rows(dataset):
 
 def select_rows(dataset, max_dataset_length: int | None, seed: int, report: PipelineReport):
     """Keep a seeded random subset of ``max_dataset_length`` rows (in file order)."""
-    if max_dataset_length is None or max_dataset_length >= len(dataset):
+    keep = subset_indices(len(dataset), max_dataset_length, seed)
+    if keep is None:
         return dataset
-    keep = np.sort(np.random.default_rng(seed).permutation(len(dataset))[:max_dataset_length])
     report.drop(DROP_SUBSET, [], count=len(dataset) - len(keep))
     return dataset.select(keep)
+
+
+def subset_indices(rows: int, max_dataset_length: int | None, seed: int) -> np.ndarray | None:
+    """The rows ``select_rows`` keeps, sorted, or None for all of them.
+
+    >>> subset_indices(5, 3, seed=0).tolist(), subset_indices(5, None, seed=0)
+    ([2, 3, 4], None)
+    """
+    if max_dataset_length is None or max_dataset_length >= rows:
+        return None
+    return np.sort(np.random.default_rng(seed).permutation(rows)[:max_dataset_length])
 
 
 def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport,
@@ -241,11 +252,23 @@ def count_truncated(dataset, report: PipelineReport) -> None:
     record_truncation(table["num_tokens"].to_numpy(), table["length"].to_numpy(), report)
 
 
+class NoRowsLeft(DatasetError):
+    """Every row was dropped; ``report`` holds the counts so far (a part of a larger dataset, such as one
+    block of ``process-dataset --ray``, may be left empty where the whole is not)."""
+
+    def __init__(self, report: PipelineReport):
+        super().__init__("no rows left to train on: " + (
+            "; ".join(f"{n} dropped ({why})" for why, n in report.dropped.items()) or "the dataset is empty"))
+        self.report = report
+
+    def __reduce__(self):  # to another process: the message, as a DatasetError (the report may hold datasets)
+        return DatasetError, (str(self),)
+
+
 def require_rows(dataset, report: PipelineReport):
     """Stop with the drop counts when nothing is left (instead of an empty-table crash later)."""
     if len(dataset) == 0:
-        raise DatasetError("no rows left to train on: " + (
-            "; ".join(f"{n} dropped ({why})" for why, n in report.dropped.items()) or "the dataset is empty"))
+        raise NoRowsLeft(report)
     return dataset
 
 

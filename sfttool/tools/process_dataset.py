@@ -131,7 +131,7 @@ def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overw
     out_dir = Path(out_dir)
     if shard_rows < 1:
         raise ProcessedDatasetError(f"shard_rows must be at least 1, got {shard_rows}")
-    _prepare_out_dir(out_dir, overwrite)
+    prepare_out_dir(out_dir, overwrite)
     node = with_num_proc(dataset_config(cfg), num_proc)
     tmp = out_dir / f".{DATA_DIR}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +145,7 @@ def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overw
         shards.append(shard_entry(name, dataset, node.get("max_length")))
         del dataset  # the next shard starts from a clean slate
     tmp.rename(out_dir / DATA_DIR)
-    manifest = _manifest(cfg, node, shards, num_proc, shard_rows)
+    manifest = build_manifest(cfg, node, shards, num_proc, shard_rows)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -178,7 +178,7 @@ def _shard_datasets(node: dict, shard_rows: int):
         yield process_hf_dataset(dataset=part, **args)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
             raise ProcessedDatasetError(f"{out_dir}: the folder exists and is not empty; "
@@ -192,7 +192,7 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _manifest(cfg, node: dict, shards: list[dict], num_proc: int | None, shard_rows: int) -> dict:
+def build_manifest(cfg, node: dict, shards: list[dict], num_proc: int | None, shard_rows: int) -> dict:
     import datasets
 
     max_length = node.get("max_length")
@@ -254,8 +254,12 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
             f"max_length={max_length}; re-run `sfttool process-dataset` with this config")
     log(f"Dataset: {manifest['rows']} processed rows from {path} (max_length {manifest['max_length']}, "
         f"fingerprint {manifest['fingerprint']}, config_hash {manifest['config_hash']})")
-    parts = [datasets.load_from_disk(str(Path(path) / DATA_DIR / s["name"])) for s in manifest["shards"]]
-    dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    files = [str(Path(path) / DATA_DIR / s["name"]) for s in manifest["shards"]]
+    if manifest.get("format") == "parquet":  # written by `process-dataset --ray` (tools/process_ray.py)
+        dataset = datasets.load_dataset("parquet", data_files=files, split="train")
+    else:
+        parts = [datasets.load_from_disk(file) for file in files]
+        dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     processor = build_processor(processor)
     if IMAGES_COLUMN in dataset.column_names and processor is None:
         raise ProcessedDatasetError(f"{path}: the rows hold images: set processor=dict(type=AutoProcessor."
