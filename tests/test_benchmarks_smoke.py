@@ -167,3 +167,14 @@ def test_lazy_packing_benchmark(tmp_path):
     for r in report["lazy"]:  # every token packed
         assert r["tokens"] == eager["tokens"] and 0 < r["packing_efficiency"] <= 1
     assert report["lazy"][1]["rows_out"] == report["lazy"][1]["estimated_rows"]  # 60 rows: the estimate is exact
+
+
+@pytest.mark.slow
+def test_image_rows_benchmark(tmp_path):
+    out = tmp_path / "image_rows.json"
+    run([sys.executable, str(BENCH / "image_rows.py"), "--rows", "20", "--reference-rows", "5", "--read-rows", "2",
+         "--size", "56", "56", "--images", "3", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["build"]["rows"] == 20 and report["build"]["rows_per_s"] > 0
+    assert report["processor_reference"]["rows"] == 5 and report["read"]["images"] > 0
+    assert report["read"]["image_tokens"] == 4 * report["read"]["images"]  # 56 x 56: 2 x 2 merged patches

@@ -178,6 +178,42 @@ def test_the_migration_guide_example_loads_after_the_documented_edits(tmp_path):
         walk(cfg[name], name)
 
 
+# The imports of XTuner 0.2's llava_vicuna_7b_v15_qlora_clip_vit_large_p14_336_lora_e1_gpu8_finetune.py, as they are.
+XTUNER_LLAVA_IMPORTS = """# Copyright (c) OpenMMLab. All rights reserved.
+import torch
+from mmengine.hooks import (CheckpointHook, DistSamplerSeedHook, IterTimerHook,
+                            LoggerHook, ParamSchedulerHook)
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from peft import LoraConfig
+from torch.optim import AdamW
+from transformers import (AutoModelForCausalLM, AutoTokenizer,
+                          BitsAndBytesConfig, CLIPImageProcessor,
+                          CLIPVisionModel)
+
+from xtuner.dataset import LLaVADataset
+from xtuner.dataset.collate_fns import default_collate_fn
+from xtuner.dataset.map_fns import (llava_finetune_map_fn,
+                                    template_map_fn_factory)
+from xtuner.dataset.samplers import LengthGroupedSampler
+from xtuner.engine import DatasetInfoHook, EvaluateChatHook
+from xtuner.model import LLaVAModel
+from xtuner.utils import PROMPT_TEMPLATE
+"""
+
+
+def test_an_xtuner_llava_config_stops_at_its_first_missing_piece_as_the_migration_guide_says(tmp_path):
+    """docs/migrating_from_xtuner.md: XTuner's LLaVA configs build parts sfttool does not have; loading one
+    stops in one line at the first (LLaVADataset), as the guide shows."""
+    from sfttool.config.loader import ConfigError
+
+    path = tmp_path / "llava_vicuna_7b_v15_qlora_clip_vit_large_p14_336_lora_e1_gpu8_finetune.py"
+    path.write_text(XTUNER_LLAVA_IMPORTS.replace("xtuner", "sfttool"))
+    with pytest.raises(ConfigError, match=f"{path}, line 12: sfttool.dataset has no 'LLaVADataset'; valid names: "):
+        load_config(path)
+    doc = (REPO / "docs" / "migrating_from_xtuner.md").read_text()
+    assert "line 12: sfttool.dataset has no 'LLaVADataset'; valid names: ..." in doc
+
+
 @pytest.mark.real_asset
 def test_demo_dataset_with_the_real_tokenizer(smollm2_dir):
     """The figures docs/getting_started.md quotes: 8 of the 82 samples are held out for validation,

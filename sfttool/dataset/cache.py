@@ -26,6 +26,7 @@ from typing import Any, Callable
 from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import DatasetError
 from sfttool.dataset.fingerprint import describe, file_digest, tokenizer_digest
+from sfttool.dataset.images_stage import processor_digest
 from sfttool.dataset.load import expand_data_files
 from sfttool.dataset.resolve import json_source_files, resolve_dataset, rows_config, source_name
 from sfttool.registry import build_if_config, type_name
@@ -60,7 +61,7 @@ def data_files_digest(dataset_cfg: Any) -> list:
 
 
 PIPELINE_MODULES = ("chat_format", "chat_messages", "chat_targets", "conversation", "encode", "encode_columns", "pack",
-                    "pipeline", "resolve", "stages", "unrendered")
+                    "pipeline", "resolve", "stages", "unrendered", "image_rows", "image_tokens", "images_stage")
 
 
 def _pipeline_code_digest() -> str:
@@ -75,9 +76,10 @@ def cache_key(args: dict, tokenizer: Any) -> str:
     parts = {
         "format": CACHE_FORMAT,
         "code": _pipeline_code_digest(),
-        "args": describe({k: v for k, v in args.items() if k not in ("tokenizer", "map_num_proc")}),
+        "args": describe({k: v for k, v in args.items() if k not in ("tokenizer", "map_num_proc", "processor")}),
         "data_files": data_files_digest(args.get("dataset")),
         "tokenizer": tokenizer_digest(tokenizer),
+        "processor": processor_digest(args.get("processor")),  # image rows: how images become tokens
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 

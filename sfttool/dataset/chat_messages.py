@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sfttool.dataset.conversation import (JOIN, NOTE_LEADING_ASSISTANT, NOTE_TWO_ASSISTANTS, NOTE_TWO_USERS,
+from sfttool.dataset.conversation import (JOIN, NOTE_LEADING_ASSISTANT, content_text, is_content_parts, NOTE_TWO_ASSISTANTS, NOTE_TWO_USERS,
                                           NOTE_UNANSWERED)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -45,7 +45,7 @@ class MessageError(ValueError):
 def is_structured(messages: list[dict], tools: Any = None) -> bool:
     """Whether a message list needs the ``messages``/``tools`` keys (else the plain turns are exact)."""
     return bool(tools) or any(m.get("role") == "tool" or any(m.get(k) for k in STRUCTURED_KEYS)
-                              for m in messages)
+                              or is_content_parts(m.get("content")) for m in messages)
 
 
 def normalise_tool_call(call: Any, where: str) -> dict:
@@ -92,7 +92,11 @@ def normalise_message(message: dict, index: int) -> dict:
     content = message.get("content")
     if content is None:
         content = ""
-    if not isinstance(content, str):
+    if role != "tool" and is_content_parts(content):
+        content = drop_nulls(content)  # Arrow's fill for the keys other parts have (a text part's null `image`)
+        if role != "user" and any(part.get("type") != "text" for part in content):
+            raise MessageError(f"{where} is a {role} message with an image; images go in user messages")
+    elif not isinstance(content, str):
         content = json.dumps(content, ensure_ascii=False)  # a structured tool result
     out = {k: v for k, v in message.items() if v is not None and k not in ("content", "tool_calls", "loss")}
     out["role"], out["content"] = role, content
@@ -106,7 +110,7 @@ def normalise_message(message: dict, index: int) -> dict:
 
 def _group(messages: list[dict], notes: list[str] | None) -> tuple[list[str], list[list[dict]]]:
     """System texts, and the messages grouped into turns that each end with an assistant message."""
-    systems = [m["content"] for m in messages if m["role"] == "system"]
+    systems = [content_text(m["content"]) for m in messages if m["role"] == "system"]
     turns: list[list[dict]] = [[]]
     for message in (m for m in messages if m["role"] != "system"):
         turns[-1].append(message)
@@ -148,8 +152,8 @@ def tool_turns(messages: list[dict], tools: list[dict], notes: list[str] | None 
             _note(notes, NOTE_TWO_ASSISTANTS)
         turn = {"system": JOIN.join(systems), "tools": json.dumps(tools, ensure_ascii=False) if tools else ""} \
             if not conversation else {}
-        turn.update(input=JOIN.join(m["content"] for m in own if m["role"] == "user"),
-                    messages=json.dumps(own, ensure_ascii=False), output=answer["content"],
+        turn.update(input=JOIN.join(content_text(m["content"]) for m in own if m["role"] == "user"),
+                    messages=json.dumps(own, ensure_ascii=False), output=content_text(answer["content"]),
                     output_with_loss=answer.get("loss", True))
         conversation.append(turn)
     return conversation

@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from sfttool import compat
-from sfttool.dataset.conversation import flag, row_tools, to_messages
+from sfttool.dataset.conversation import content_text, flag, row_tools, to_messages
 from sfttool.dataset.errors import DatasetError, where
 from sfttool.dataset.unrendered import TOOL_CALLS, Unrendered, unrendered_text
 
@@ -120,11 +120,11 @@ def _reasoning_length(body: str, message: dict) -> int:
 
 def _anchors(message: dict) -> list[str]:
     calls = [c.get("function", c).get("name") or "" for c in message.get("tool_calls") or []]
-    return [message.get("reasoning_content") or "", message.get("content") or ""] + calls
+    return [message.get("reasoning_content") or "", content_text(message.get("content"))] + calls
 
 
 def has_reasoning(messages: list[dict]) -> bool:
-    return any(m.get("reasoning_content") or THINK_END in (m.get("content") or "")
+    return any(m.get("reasoning_content") or THINK_END in content_text(m.get("content"))
                for m in messages if m.get("role") == "assistant")
 
 

@@ -175,6 +175,24 @@ def to_messages(conversation: list[dict], with_last_output: bool = True, owners:
     return messages
 
 
+def content_text(content: Any) -> str:
+    """A message's text: its ``content`` string, or the text of its content parts (an image counts as
+    ``<image>``).
+
+    >>> content_text([{'type': 'image', 'image': 'a.png'}, {'type': 'text', 'text': 'What is it?'}])
+    '<image>What is it?'
+    """
+    if isinstance(content, list):
+        return "".join(part.get("text") or "" if part.get("type") == "text" else "<image>"
+                       for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def is_content_parts(content: Any) -> bool:
+    """OpenAI-style content parts: a list of ``{"type": ...}`` objects."""
+    return isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
+
+
 def row_tools(conversation: list[dict]) -> list[dict]:
     """The row's tool schemas (the first turn's ``tools``), for the chat template's ``tools=``."""
     return json_list(conversation[0].get("tools")) if conversation else []

@@ -56,7 +56,11 @@ from sfttool.dataset.conversation import check_conversation, flag, row_tools, to
 from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
                                             piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
+from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
+                                          image_token_id, with_special_tokens)
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
+from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
@@ -214,6 +218,18 @@ class Encoded:
     counts: list[int]             # [conversations] the samples each conversation became
     conversations: list           # [conversations]
     refused: dict[int, int] = field(default_factory=dict)  # sample -> REFUSED code (skip_bad_rows)
+    images: list | None = None    # [samples] each sample's images, in order (image rows: ``image_tokens``)
+    image_counts: list | None = None  # [samples] tokens per image of each sample
+    image_token_id: int | None = None
+
+    def cut(self, max_length: int) -> tuple[Any, dict[str, list]]:
+        """Where to cut each sample (``max_length``, or before an image it would split) and, for image rows,
+        the ``images`` column (the images each sample keeps whole)."""
+        if self.images is None:
+            return max_length, {}
+        limits, whole = image_limits(self.flat.ids, self.flat.lengths, self.image_token_id, self.image_counts,
+                                     max_length)
+        return limits, {"images": [list(images[:n]) for images, n in zip(self.images, whole.tolist())]}
 
     @cached_property
     def owners(self) -> list[int]:
@@ -237,7 +253,7 @@ class Encoded:
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                  input_ids_with_output: bool = True, hf_chat_template: bool = False,
                  source: str | None = None, chat_options: dict | None = None,
-                 carry: Sequence[str] = (), skip_bad_rows: bool = False) -> dict[str, list]:
+                 carry: Sequence[str] = (), skip_bad_rows: bool = False, processor: Any = None) -> dict[str, list]:
     """Batched ``datasets.map`` function: conversations -> samples of ids, labels and counts, as lists.
 
     >>> encode_batch({'conversation': [[{'input': 'Q', 'output': 'A', 'need_eos_token': True}]]},
@@ -255,32 +271,40 @@ def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_
     tokens whose ``first_trained`` says why (the pipeline drops it, counted).
     """
     encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
-                             chat_options, skip_bad_rows)
-    out = list_columns(flat_columns(encoded.flat, max_length, encoded.why_untrained))
-    return {**out, ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry)}
+                             chat_options, skip_bad_rows, processor)
+    limits, images = encoded.cut(max_length)
+    out = list_columns(flat_columns(encoded.flat, limits, encoded.why_untrained))
+    return {**out, ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry), **images}
 
 
 def encode_batch_arrays(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
                         input_ids_with_output: bool = True, hf_chat_template: bool = False,
                         source: str | None = None, chat_options: dict | None = None,
-                        carry: Sequence[str] = (), skip_bad_rows: bool = False):
+                        carry: Sequence[str] = (), skip_bad_rows: bool = False, processor: Any = None):
     """``encode_batch``'s columns in the form ``datasets.map`` writes as it is: one Arrow table over the flat
     tokens when the only input column kept is ``ROW_COLUMN`` (packing), else one numpy array per sample."""
     encoded = encode_samples(batch, indices, tokenizer, input_ids_with_output, hf_chat_template, source,
-                             chat_options, skip_bad_rows)
-    columns = flat_columns(encoded.flat, max_length, encoded.why_untrained)
+                             chat_options, skip_bad_rows, processor)
+    limits, images = encoded.cut(max_length)
+    columns = flat_columns(encoded.flat, limits, encoded.why_untrained)
     if list(carry) == [ROW_COLUMN]:
-        return arrow_columns(columns, {ROW_COLUMN: np.asarray(encoded.rows, np.int64)})
-    return {**numpy_columns(columns), ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry)}
+        return arrow_columns(columns, {ROW_COLUMN: np.asarray(encoded.rows, np.int64), **images})
+    return {**numpy_columns(columns), ROW_COLUMN: encoded.rows, **encoded.carried(batch, carry), **images}
 
 
 def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, input_ids_with_output: bool,
                    hf_chat_template: bool, source: str | None, chat_options: dict | None,
-                   skip_bad_rows: bool) -> Encoded:
-    """The batch's conversations checked and encoded, uncut."""
+                   skip_bad_rows: bool, processor: Any = None) -> Encoded:
+    """The batch's conversations checked and encoded, uncut (through ``processor``, for image rows)."""
     conversations = batch["conversation"]
     rows = list(batch[ROW_COLUMN] if ROW_COLUMN in batch else indices)  # rows as loaded, when numbered
     check_batch(conversations, rows, source, input_ids_with_output)
+    if processor is not None:
+        if not input_ids_with_output:
+            raise DatasetError("with processor=..., rows are encoded with their answers: "
+                               "set input_ids_with_output=True")
+        return _processor_samples(batch, rows, processor, source, chat_options, skip_bad_rows)
+    refuse_unbound_images(conversations, rows, source)
     if hf_chat_template:
         return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, source, chat_options,
                                       skip_bad_rows)
@@ -320,6 +344,47 @@ def _chat_template_samples(conversations: list, rows: list[int], tokenizer, inpu
     texts = [text for text, _ in samples]
     flat = span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, [s for _, s in samples])
     return Encoded(flat, _repeat(rows, counts), counts, conversations, refused)
+
+
+def _processor_samples(batch: dict[str, list], rows: list[int], processor: Any, source: str | None,
+                      chat_options: dict | None, skip_bad_rows: bool) -> Encoded:
+    """Image rows through the model's processor (HF chat-template mode with images): the processor's chat
+    template renders each sample (``chat_targets``, answers trained exactly as for text), each image
+    placeholder becomes the tokens the processor makes of that image (``image_tokens``), and the text is
+    tokenized whole with the special tokens the processor's call adds, so the ids equal
+    ``processor.apply_chat_template(messages, tokenize=True)``. Image tokens are never trained."""
+    tokenizer = processor.tokenizer
+    specials = special_token_texts(tokenizer)
+    token = image_token(processor)
+    conversations = batch["conversation"]
+    row_images = batch.get(IMAGES_COLUMN) or [[]] * len(rows)
+    row_sizes = batch.get(SIZES_COLUMN) or [[]] * len(rows)
+    texts, spans, images, counts, per_row, refused = [], [], [], [], [], {}
+    for conversation, own_images, sizes, row in zip(conversations, row_images, row_sizes, rows):
+        own_images, own_counts = own_images or [], image_token_counts(processor, sizes or [])
+        try:
+            samples = chat_template_samples(conversation, processor, specials, chat_options, row)
+        except Unrendered as exc:
+            refused[len(texts)] = refuse(exc.feature, exc.trained_as, row, source, "the processor's chat template",
+                                         skip_bad_rows)
+            samples = [("", [])]
+        rendered = [text.count(token) for text, _ in samples]  # a sample renders the conversation's first images
+        if max(rendered) != len(own_images) and len(texts) not in refused:
+            raise DatasetError(f"{where(row, source)}: the chat template rendered {max(rendered)} image "
+                               f"placeholders {token!r} for {len(own_images)} images (a template that leaves an "
+                               f"image out, or {token!r} written in the text); fix the row or the template")
+        for (text, own_spans), n in zip(samples, rendered):
+            text, own_spans = expand_placeholders(text, own_spans, token, own_counts[:n], row, source)
+            texts.append(text)
+            spans.append(own_spans)
+            images.append(own_images[:n])
+            counts.append(own_counts[:n])
+        per_row.append(len(samples))
+    encoded = with_special_tokens(tokenizer, texts, batch_token_ids(tokenizer, texts, with_offsets=True))
+    flat = span_samples(encoded, texts, spans)
+    flat.labels[flat.ids == image_token_id(processor)] = IGNORE_INDEX  # images are read, never produced
+    return Encoded(flat, _repeat(rows, per_row), per_row, conversations, refused, images=images,
+                   image_counts=counts, image_token_id=image_token_id(processor))
 
 
 def check_batch(conversations: list, row_numbers: list[int], source: str | None, input_ids_with_output: bool) -> None:

@@ -81,9 +81,11 @@ def span_samples(encoded: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]
     return FlatSamples(ids, np.where(inside, ids, np.int32(IGNORE_INDEX)), lengths)
 
 
-def flat_columns(flat: FlatSamples, max_length: int, why_untrained: Callable[[int], int]) -> dict[str, np.ndarray]:
+def flat_columns(flat: FlatSamples, max_length: int | np.ndarray, why_untrained: Callable[[int], int]
+                 ) -> dict[str, np.ndarray]:
     """The encoder's columns over every token of the batch at once: ``input_ids`` and ``labels`` of every
-    sample kept at ``max_length``, flat ([kept tokens]); per sample ([samples]): ``length`` (after the cut),
+    sample kept at ``max_length`` (one for all, or one per sample: image rows are cut before an image
+    that the cut would split), flat ([kept tokens]); per sample ([samples]): ``length`` (after the cut),
     ``num_tokens`` (before it), ``num_trained`` (kept tokens with a label) and ``first_trained``, the
     position of the first trained token of the whole sample (the prompt's length), or, when none is
     trained, ``why_untrained(sample)`` (a negative code)."""
@@ -91,7 +93,8 @@ def flat_columns(flat: FlatSamples, max_length: int, why_untrained: Callable[[in
     n, total = len(full), len(ids)
     sample = np.repeat(np.arange(n), full)  # [tokens]
     position = np.arange(total) - np.repeat(np.cumsum(full) - full, full)  # [tokens]: in its sample
-    kept, trained = position < max_length, labels != IGNORE_INDEX
+    limit = max_length if np.isscalar(max_length) else np.repeat(max_length, full)  # [tokens] when per sample
+    kept, trained = position < limit, labels != IGNORE_INDEX
     first = np.full(n, -1, np.int64)
     at = np.flatnonzero(trained)  # [trained tokens], in order
     owner = sample[at]  # sorted: each sample's first trained token is where the owner changes (no sort needed)

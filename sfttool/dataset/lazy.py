@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
+from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN
 from sfttool.dataset.pack import pack_stream
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset.resolve import source_name
@@ -66,10 +67,19 @@ def lazy_dataset(args: dict, load_rows: Callable, lazy_encode: bool, buffer_size
     # tokenizing it spares): each row is checked when it is read, and a line Arrow cannot read is named
     # by file and line when the file is converted (``source.read_failure``).
     rows = load_rows(args["dataset"], args["split"], args["max_dataset_length"], args["seed"], validate=False)
+    refuse_image_rows(rows, source)
     keep = ("dataset_map_fn", "template_map_fn", "pack_to_max_length", "seed", "input_ids_with_output",
             "shuffle_before_pack", "skip_bad_rows")
     return LazyEncodedDataset(rows, args["tokenizer"], args["max_length"], source=source,
                               use_varlen_attn=use_varlen_attn, **{name: args[name] for name in keep}, **settings)
+
+
+def refuse_image_rows(rows: Any, source: str | None) -> None:
+    """Rows with an image column: their images need the image stage (``processor=...``), which runs eagerly."""
+    columns = [name for name in (IMAGES_COLUMN, LLAVA_COLUMN) if name in rows.column_names]
+    if columns:
+        raise DatasetError(f"{source or 'dataset'}: rows with images (a {' and '.join(repr(c) for c in columns)} "
+                           "column) are not encoded lazily; remove lazy_encode")
 
 
 def check_lazy_settings(lazy_encode: bool, given: dict[str, int | None], rename_maps: Any,

@@ -150,7 +150,19 @@ def assemble(table: pa.Table, order: np.ndarray, piece_lengths: np.ndarray,
     columns["position_ids"] = _list_array(row_offsets, pa.array(_positions(piece_offsets, piece_lengths)))
     columns["sample_lengths"] = _list_array(row_piece_offsets, pa.array(piece_lengths.astype(np.int32)))
     columns["length"] = pa.array(np.diff(row_offsets).astype(np.int32))
+    if "images" in table.column_names:  # image rows: each sample's images go with it, in sample order
+        columns["images"] = _row_images(table["images"].take(indices), row_piece_offsets)
     return pa.table(columns)
+
+
+def _row_images(images, row_piece_offsets: np.ndarray) -> pa.Array:
+    """The samples' image lists (in packing order) joined per row: ``[[a], [], [b, c]]`` in rows of 2 and 1
+    samples -> ``[[a], [b, c]]``. Whole samples only (``bfd``): a sample's images are its own."""
+    import pyarrow.compute as pc
+    images = images.combine_chunks() if isinstance(images, pa.ChunkedArray) else images
+    counts = pc.list_value_length(images).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    per_row = np.add.reduceat(counts, row_piece_offsets[:-1]) if len(row_piece_offsets) > 1 else counts[:0]
+    return _list_array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64), images.flatten())
 
 
 def _flat_taken(column, indices: pa.Array) -> pa.Array:

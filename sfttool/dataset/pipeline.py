@@ -23,6 +23,10 @@ import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.fingerprint import stage_fingerprint, tokenizer_digest
+from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, SIZES_COLUMN, bind_images, build_processor,
+                                          check_image_template, count_cut_before_images, has_image_rows,
+                                          processor_digest)
+from sfttool.dataset.pixels import with_pixels
 from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
                                    log_report, stage_recorder)
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
@@ -147,7 +151,7 @@ def _column(dataset, name: str):
 
 def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, template, remove_unused_columns: bool,
            num_proc: int, source: str | None, report: PipelineReport, template_map_fn: Callable | None = None,
-           skip_bad_rows: bool = False):
+           skip_bad_rows: bool = False, processor=None):
     """Conversations -> samples (one each, or several in HF chat-template mode; counted in ``report.split``).
     ``template_map_fn`` (``folds_into_encode``) is applied to each batch first. A row whose trained answer
     the template cannot render stops the pipeline, or with ``skip_bad_rows`` is dropped with the rows left
@@ -158,24 +162,37 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     from sfttool.dataset.stages import template_and_encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     hf_chat_template, chat_options = is_hf_chat_template(template), chat_template_options(template)
-    count_structured_fields(dataset, renderer(tokenizer, chat_options), hf_chat_template, report)
+    if processor is not None:  # image rows: the processor's chat template renders them
+        hf_chat_template, chat_options = True, {k: v for k, v in chat_options.items() if k != "chat_format"}
+    count_structured_fields(dataset, processor or renderer(tokenizer, chat_options), hf_chat_template, report)
     remove = dataset.column_names if remove_unused_columns else ["conversation"]
-    remove = [name for name in remove if name in dataset.column_names and name != ROW_COLUMN]
+    remove += IMAGE_COLUMNS if processor is not None else []  # the encoder writes each sample's own images
+    remove = [name for name in dict.fromkeys(remove) if name in dataset.column_names and name != ROW_COLUMN]
     mode = "chat template" if hf_chat_template else "template"
     settings = dict(max_length=max_length, source=source, input_ids_with_output=input_ids_with_output,
                     hf_chat_template=hf_chat_template, chat_options=chat_options,
                     carry=[name for name in dataset.column_names if name not in remove], skip_bad_rows=skip_bad_rows)
     # Hashed here once: left to datasets, fingerprinting this map pickles the tokenizer (seconds per call).
     fingerprint = stage_fingerprint(dataset._fingerprint, "encode", tokenizer_digest(tokenizer), settings, remove,
-                                    template_map_fn and Hasher.hash(template_map_fn))
+                                    template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor),
+                                    _images_digest(dataset))
     desc = f"{'Templating and tokenizing' if template_map_fn else 'Tokenizing'} ({mode} mode)"
     dataset = dataset.map(template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc,
-                          remove_columns=remove, features=_encoded_features(dataset, remove),
+                          remove_columns=remove, features=_encoded_features(dataset, remove, processor is not None),
                           new_fingerprint=fingerprint, desc=desc,
-                          fn_kwargs=dict(tokenizer=tokenizer, template_map_fn=template_map_fn, **settings))
+                          fn_kwargs=dict(tokenizer=tokenizer, template_map_fn=template_map_fn, processor=processor,
+                                         **settings))
     if hf_chat_template:
         count_split(report, _row_numbers(dataset))
     return dataset
+
+
+def _images_digest(dataset) -> str | None:
+    """The images' paths and sizes as read from disk this run (the image stage is never cached): an image
+    replaced by one of another size changes the encoded samples."""
+    if SIZES_COLUMN not in dataset.column_names:
+        return None
+    return content_fingerprint(dataset.select_columns([IMAGES_COLUMN, SIZES_COLUMN]).with_format("arrow")[:])
 
 
 def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: PipelineReport) -> None:
@@ -202,13 +219,13 @@ def count_structured_fields(dataset, tokenizer, hf_chat_template: bool, report: 
                              hf_chat_template)
 
 
-def _encoded_features(dataset, removed: list[str]):
+def _encoded_features(dataset, removed: list[str], images: bool = False):
     """int32 token columns: half the memory and disk of the int64 Python ints infer."""
     from datasets import Features, List, Value
     kept = {name: feature for name, feature in dataset.features.items() if name not in removed}
     return Features({**kept, "input_ids": List(Value("int32")), "labels": List(Value("int32")),
                      "length": Value("int32"), "num_tokens": Value("int32"), "num_trained": Value("int32"),
-                     "first_trained": Value("int32")})
+                     "first_trained": Value("int32"), **({IMAGES_COLUMN: List(Value("string"))} if images else {})})
 
 
 def drop_untrained(dataset, report: PipelineReport, max_length: int):
@@ -299,7 +316,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
                  max_dataset_length=None, split="train", remove_unused_columns=False, rename_maps=(),
                  shuffle_before_pack=True, pack_to_max_length=True, input_ids_with_output=True,
                  map_num_proc=None, seed=0, pack_strategy="bfd", do_dataset_tokenization=True,
-                 source=None, keep_stages=False, skip_bad_rows=False):
+                 source=None, keep_stages=False, skip_bad_rows=False, processor=None, image_folder=None):
     """All stages in order; returns ``(dataset, PipelineReport)``.
 
     ``keep_stages`` stores the dataset after each stage in ``report.stages``
@@ -307,7 +324,9 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     the encode stage reads, instead of inside the encode stage's ``map``: each runs once either way.
     """
     source = source or source_name(dataset)
-    template_of(template_map_fn)  # an unknown template is said before the data is read
+    check_image_template(template_of(template_map_fn), processor, pack_to_max_length and pack_strategy)
+    processor = build_processor(processor)
+    tokenizer = processor.tokenizer if processor is not None and tokenizer is None else tokenizer
     tokenizer = build_if_config(tokenizer, "tokenizer")
     dataset = resolve_dataset(dataset, split)
     if do_dataset_tokenization:
@@ -319,7 +338,7 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
     table = sample_table(dataset, tokenizer, max_length, report, dataset_map_fn, template_map_fn, rename_maps,
                          remove_unused_columns or pack_to_max_length,  # packing keeps only token columns
                          input_ids_with_output, map_num_proc, do_dataset_tokenization, source, keep_stages,
-                         skip_bad_rows)
+                         skip_bad_rows, processor, image_folder)
     dataset = finish_rows(table, pack_to_max_length, max_length, pack_strategy, shuffle_before_pack, seed, report)
     if keep_stages:
         report.stages["packed" if pack_to_max_length else "rows"] = dataset
@@ -330,9 +349,10 @@ def run_pipeline(dataset, tokenizer, max_length: int, dataset_map_fn=None, templ
 def sample_table(dataset, tokenizer, max_length: int, report: PipelineReport, dataset_map_fn=None,
                  template_map_fn=None, rename_maps=(), remove_unused_columns=False, input_ids_with_output=True,
                  map_num_proc=None, do_dataset_tokenization=True, source=None, keep_stages=False,
-                 skip_bad_rows=False):
+                 skip_bad_rows=False, processor=None, image_folder=None):
     """The stages from the map fn to the encoded samples, on rows already loaded (and numbered): an
-    Arrow table of one sample per row, with the token counts packing and the reports read."""
+    Arrow table of one sample per row, with the token counts packing and the reports read. With a
+    ``processor``, rows may hold images (``image_rows``), each sample keeps its own (``images``)."""
     template = template_of(template_map_fn)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     map_fn, template_map_fn = resolve_map_fn(dataset_map_fn), resolve_template_map_fn(template_map_fn)
@@ -355,9 +375,15 @@ def sample_table(dataset, tokenizer, max_length: int, report: PipelineReport, da
         return pretokenized_table(dataset, max_length, report)
     require_conversation(dataset, map_fn, source)
     dataset = require_rows(drop_empty(dataset, report), report)
+    if processor is not None or has_image_rows(dataset):
+        dataset = require_rows(bind_images(dataset, processor, image_folder, num_proc, source, report,
+                                           skip_bad_rows), report)
+        stage("images", dataset)
     dataset = encode(dataset, tokenizer, max_length, input_ids_with_output, template, remove_unused_columns,
-                     num_proc, source, report, template_map_fn if fold else None, skip_bad_rows)
+                     num_proc, source, report, template_map_fn if fold else None, skip_bad_rows, processor)
     count_truncated(dataset, report)
+    if processor is not None:
+        count_cut_before_images(dataset, max_length, report)
     if input_ids_with_output:
         dataset = require_rows(drop_untrained(dataset, report, max_length), report)
     stage("encoded", dataset)
@@ -371,8 +397,8 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                        shuffle_before_pack=True, pack_to_max_length=True, use_varlen_attn=False,
                        input_ids_with_output=True, with_image_token=False, map_num_proc=None, seed=0,
                        pack_strategy="bfd", cache_dir=None, do_dataset_tokenization=True, source=None,
-                       skip_bad_rows=False, lazy_encode=False, buffer_size=None, encode_chunk=None,
-                       rows_per_epoch=None):
+                       skip_bad_rows=False, processor=None, image_folder=None, lazy_encode=False,
+                       buffer_size=None, encode_chunk=None, rows_per_epoch=None):
     """XTuner's ``process_hf_dataset``: a training ``datasets.Dataset`` from raw data.
 
     >>> ds = process_hf_dataset(rows, tokenizer, max_length=2048,
@@ -387,6 +413,10 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     ``skip_bad_rows`` (drop, counted, the rows whose trained answers the template cannot render, such as
     tool calls under a template without tools, instead of stopping at the first: ``unrendered``;
     ``--skip-bad-rows`` sets it).
+    ``processor`` (the model's ``AutoProcessor``, or its config) encodes image-text rows through its own
+    chat template and image expansion (the tokenizer is then the processor's); ``image_folder`` is where
+    relative image paths are read from (default: the data file's folder); rows keep their ``images``,
+    whose pixels are loaded when a row is read (``pixels``; see docs/multimodal.md).
     ``map_num_proc=None`` picks a process count from the CPU count and data size.
     ``use_varlen_attn`` only matters to the collate fn and model (rows always
     carry per-sample position_ids); as in XTuner it requires packing.
@@ -396,6 +426,9 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
     """
     check_settings(max_length, pack_to_max_length, use_varlen_attn, pack_strategy, with_image_token,
                    max_dataset_length)
+    processor = build_processor(processor)
+    if processor is not None and tokenizer is None:
+        tokenizer = processor.tokenizer  # the processor's own: its chat template and image tokens
     args = dict(dataset=dataset_config(dataset), tokenizer=tokenizer, max_length=max_length,
                 dataset_map_fn=dataset_map_fn, template_map_fn=template_map_fn,
                 max_dataset_length=max_dataset_length, split=split, remove_unused_columns=remove_unused_columns,
@@ -403,7 +436,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 shuffle_before_pack=shuffle_before_pack, pack_to_max_length=pack_to_max_length,
                 input_ids_with_output=input_ids_with_output, map_num_proc=map_num_proc, seed=seed,
                 pack_strategy=pack_strategy, do_dataset_tokenization=do_dataset_tokenization, source=source,
-                skip_bad_rows=skip_bad_rows)
+                skip_bad_rows=skip_bad_rows, processor=processor, image_folder=image_folder)
     lazy = dict(lazy_encode=lazy_encode, buffer_size=buffer_size, encode_chunk=encode_chunk,
                 rows_per_epoch=rows_per_epoch)
     if any(value is not None and value is not False for value in lazy.values()):
@@ -411,10 +444,10 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
         return lazy_dataset(args, load_rows, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
-        return cached_pipeline(cache_dir, args, run_pipeline)
+        return with_pixels(cached_pipeline(cache_dir, args, run_pipeline), args["processor"])
     result, report = run_pipeline(**args)
     log_report(report, max_length)
-    return result
+    return with_pixels(result, args["processor"])
 
 
 # The registry hands `dataset` over as its config, unbuilt: local JSON files are then checked line by

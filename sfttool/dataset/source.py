@@ -36,10 +36,22 @@ class DataSource(str):
 
     def raw_row(self, number: int) -> Any:
         """Row ``number`` of the loaded data as its file holds it, or None when it cannot be found."""
+        found = self._find(number)
+        return found[0][found[1]] if found else None
+
+    def file_of(self, number: int) -> str | None:
+        """The file row ``number`` of the loaded data comes from (relative image paths are read from its
+        folder), or None when it cannot be found."""
+        if len(self.files) == 1:
+            return self.files[0]
+        found = self._find(number)
+        return str(found[0].path) if found else None
+
+    def _find(self, number: int) -> tuple[_FileRows, int] | None:
         for path in self.files:
             rows = self._rows.get(path) or self._rows.setdefault(path, _FileRows(path, self.field))
             if number < len(rows):
-                return rows[number]
+                return rows, number
             number -= len(rows)
         return None
 

@@ -200,8 +200,12 @@ def check_settings(max_length: int, buffer_size: int, encode_chunk: int, rows_pe
         check_positive_int(rows_per_epoch, "rows_per_epoch", " (the packed rows one rank reads per pass)")
 
 
-def refuse_changed_results(max_dataset_length: int | None, rename_maps: Any, do_dataset_tokenization: bool) -> None:
+def refuse_changed_results(max_dataset_length: int | None, rename_maps: Any, do_dataset_tokenization: bool,
+                           processor: Any = None) -> None:
     """process_hf_dataset's arguments a stream cannot honour: ignoring them would change the rows."""
+    if processor is not None:
+        raise DatasetError("image-text rows (processor=...) are not streamed; use process_hf_dataset, or "
+                           "sfttool process-dataset to encode them once")
     if max_dataset_length is not None:
         raise DatasetError("max_dataset_length (a seeded random subset of a dataset of known length) is not "
                            "available when streaming; remove it, or stream a smaller source")
@@ -281,8 +285,8 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  max_dataset_length: int | None = None, rename_maps: Any = (), with_image_token: bool = False,
                  do_dataset_tokenization: bool = True, remove_unused_columns: bool | None = None,
                  map_num_proc: int | None = None, cache_dir: str | None = None, skip_bad_rows: bool = False,
-                 lazy_encode: bool | None = None):
-        refuse_changed_results(max_dataset_length, rename_maps, do_dataset_tokenization)
+                 processor: Any = None, image_folder: str | None = None, lazy_encode: bool | None = None):
+        refuse_changed_results(max_dataset_length, rename_maps, do_dataset_tokenization, processor)
         check_settings(max_length, buffer_size, encode_chunk, rows_per_epoch, pack_to_max_length,
                        use_varlen_attn, pack_strategy, with_image_token)
         warn_not_applicable(dict(map_num_proc=map_num_proc, remove_unused_columns=remove_unused_columns,

@@ -18,7 +18,7 @@ the pipeline counts the rows (``stages.ignored_field_notes``).
 """
 from __future__ import annotations
 
-from sfttool.dataset.conversation import flag, json_list
+from sfttool.dataset.conversation import content_text, flag, json_list
 from sfttool.dataset.errors import DatasetError, where
 
 TOOL_CALLS, REASONING, ANSWER_TEXT = "tool calls", "reasoning_content", "answer text"
@@ -55,7 +55,7 @@ def unrendered_text(message: dict, rendered: str, specials: list[str]) -> str | 
         rendered = rendered.replace(special, "")
     if rendered.strip():
         return None
-    if (message.get("content") or "").strip():
+    if content_text(message.get("content")).strip():
         return ANSWER_TEXT
     return REASONING if (message.get("reasoning_content") or "").strip() else None
 
@@ -74,7 +74,7 @@ def unrendered_turn(conversation: list[dict]) -> tuple[str, str] | None:
         answer = next((m for m in reversed(json_list(turn["messages"])) if m.get("role") == "assistant"), {})
         if answer.get("tool_calls"):
             return TOOL_CALLS, turn["output"]
-        if not (answer.get("content") or "").strip() and (answer.get("reasoning_content") or "").strip():
+        if not content_text(answer.get("content")).strip() and (answer.get("reasoning_content") or "").strip():
             return REASONING, turn["output"]
     return None
 

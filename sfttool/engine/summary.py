@@ -16,6 +16,7 @@ from typing import Any
 from sfttool.engine.assemble import iters_per_epoch, total_iters, train_loop_cfg
 from sfttool.engine.spec import RunSpec
 from sfttool.engine.tracking import auto_tracking_note
+from sfttool.model.vision import trained_parts
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -137,14 +138,18 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
                f"{'adapter' if getattr(model, 'use_lora', False) else 'model'} goes to "
                f"{spec.work_dir / export_folder_name(model)}")
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
-            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)}{frozen_note(model)} "
+            f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)}{trained_parts_note(model)} "
             f"{data}. {steps}. {outputs}.{auto_tracking_note(cfg)}")
 
 
-def frozen_note(model: Any) -> str:
-    """A vision-language checkpoint's sentence on what text rows leave untrained; '' for a text model."""
-    frozen = getattr(model, "frozen_vision_parameters", 0)
-    return f" The vision tower and projector ({_millions(frozen)}) are frozen." if frozen else ""
+def trained_parts_note(model: Any) -> str:
+    """A vision-language checkpoint's sentence on what trains of each part, e.g. ' Vision tower (0.03 M):
+    frozen; projector (0.01 M): full; language model (0.20 M): LoRA.'; '' for a text model."""
+    parts = trained_parts(model.llm) if hasattr(model, "llm") else {}
+    if not parts:
+        return ""
+    text = "; ".join(f"{part} ({_millions(size)}): {mode}" for part, (mode, size) in parts.items())
+    return f" {text[0].upper()}{text[1:]}."
 
 
 def announce_summary(runner: Any, cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> None:

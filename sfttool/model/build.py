@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from sfttool.model.vision import quantization_skip_modules
 from sfttool.registry import ConfigBuildError, build, resolve_type
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,9 @@ def extend_context(config: Any, max_position_embeddings: int) -> Any:
     return config
 
 
-def normalise_llm_args(args: dict, use_varlen_attn: bool, max_position_embeddings: int | None) -> dict:
-    """Fill and fix the keyword arguments of ``from_pretrained``."""
+def normalise_llm_args(args: dict, use_varlen_attn: bool, max_position_embeddings: int | None,
+                       model_class: Any = None) -> dict:
+    """Fill and fix the keyword arguments of ``model_class.from_pretrained``."""
     args = dict(args)
     if "torch_dtype" in args:  # transformers 5 renamed it
         args.setdefault("dtype", args.pop("torch_dtype"))
@@ -119,6 +121,8 @@ def normalise_llm_args(args: dict, use_varlen_attn: bool, max_position_embedding
     if args.get("quantization_config") is not None:
         args["quantization_config"] = build_quantization_config(args["quantization_config"])
         args.setdefault("device_map", quantized_device_map())
+        if model_class is not None:
+            keep_vision_unquantized(model_class, args)
     args.setdefault("attn_implementation", default_attn_implementation(use_varlen_attn))
     if max_position_embeddings and args.get("pretrained_model_name_or_path"):
         from transformers import AutoConfig
@@ -129,6 +133,20 @@ def normalise_llm_args(args: dict, use_varlen_attn: bool, max_position_embedding
     return args
 
 
+def keep_vision_unquantized(model_class: Any, args: dict) -> None:
+    """QLoRA quantizes the language model only: a vision-language checkpoint's vision tower and projector
+    (and its head) go in ``llm_int8_skip_modules`` unless the config names its own."""
+    quantization = args["quantization_config"]
+    path = args.get("pretrained_model_name_or_path")
+    if getattr(quantization, "llm_int8_skip_modules", ()) is not None or path is None:
+        return
+    from transformers import AutoConfig
+
+    config = args.get("config") or AutoConfig.from_pretrained(path, trust_remote_code=args.get("trust_remote_code", False))
+    if getattr(config, "vision_config", None) is not None:
+        quantization.llm_int8_skip_modules = quantization_skip_modules(model_class, config)
+
+
 def build_llm(llm: Any, use_varlen_attn: bool = False, max_position_embeddings: int | None = None) -> Any:
     """Config dict -> loaded model; a module passes through unchanged."""
     if not isinstance(llm, dict):
@@ -136,7 +154,7 @@ def build_llm(llm: Any, use_varlen_attn: bool = False, max_position_embeddings: 
     fn = resolve_type(llm.get("type"), "model.llm.type")
     args = {k: v for k, v in llm.items() if k != "type"}
     if getattr(fn, "__name__", "") == "from_pretrained":
-        args = normalise_llm_args(args, use_varlen_attn, max_position_embeddings)
+        args = normalise_llm_args(args, use_varlen_attn, max_position_embeddings, getattr(fn, "__self__", None))
     return build({"type": fn, **args}, "model.llm")
 
 

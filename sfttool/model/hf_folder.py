@@ -6,8 +6,9 @@
 - full fine-tune: a model folder (``config.json`` + ``model.safetensors``), in
   the dtype the config named, with the KV cache turned back on;
 
-each with the tokenizer beside it and ``sfttool_config.py`` (the config that
-was run: ``chat`` and ``convert merge`` read the template from it). The folder
+each with the tokenizer beside it (and, for image-text training, the processor: its image processor
+settings and chat template, so ``AutoProcessor.from_pretrained`` loads from the folder) and
+``sfttool_config.py`` (the config that was run: ``chat`` and ``convert merge`` read the template from it). The folder
 appears complete or not at all (``sfttool.utils.atomic.atomic_folder``).
 Below the engine and the tools, which both write through it.
 """
@@ -18,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from sfttool.dataset.images_stage import build_processor
 from sfttool.model.build import configured_dtype
 from sfttool.registry import build_if_config
 from sfttool.utils.atomic import atomic_folder
@@ -50,6 +52,9 @@ def write_hf_folder(model: Any, tokenizer: Any, cfg: Any, save_dir: str | Path, 
         else:  # in the dtype the config named (a run on CPU trains in float32)
             save_model(llm, tmp, safe_serialization=safe_serialization, max_shard_size=max_shard_size,
                        dtype=_config_dtype(cfg))
+        processor = config_processor(cfg)
+        if processor is not None:  # first: the tokenizer below is the one training used
+            processor.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         cfg.dump(str(tmp / SAVED_CONFIG_NAME))
@@ -60,6 +65,14 @@ def config_tokenizer(cfg: Any) -> Any:
     """The tokenizer the config trains with (its ``tokenizer``, else ``model.tokenizer``), or None."""
     node = cfg.get("tokenizer") or (cfg.get("model") or {}).get("tokenizer")
     return build_if_config(node, "tokenizer") if node is not None else None
+
+
+def config_processor(cfg: Any) -> Any:
+    """The processor image-text rows were encoded with (the config's ``processor``, else its training
+    dataset's), or None."""
+    dataset = ((cfg.get("train_dataloader") or {}).get("dataset") or {})
+    node = cfg.get("processor") or (dataset.get("processor") if isinstance(dataset, dict) else None)
+    return build_processor(node) if node is not None else None
 
 
 def save_model(model, save_dir: str | os.PathLike, safe_serialization: bool = True,

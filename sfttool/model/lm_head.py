@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from sfttool.model.vision import multimodal_decoder
+
 # Config fields of transformers models whose forward transforms the head's output.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
                     "output_multiplier_scale")
@@ -22,7 +24,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 @dataclass
 class LMParts:
-    decoder: torch.nn.Module  # input_ids -> last_hidden_state [batch, seq, hidden]
+    decoder: torch.nn.Module  # input_ids (and images) -> last_hidden_state [batch, seq, hidden]
     head: torch.nn.Module  # hidden -> logits
     plain_linear: bool  # head(x) is exactly F.linear(x, head.weight, head.bias)
 
@@ -32,7 +34,8 @@ def split_lm(llm: Any) -> tuple[LMParts | None, str]:
     base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm  # a peft model's HF model
     if not (callable(getattr(base, "get_decoder", None)) and callable(getattr(base, "get_output_embeddings", None))):
         return None, f"{type(base).__name__} has no get_decoder()/get_output_embeddings()"
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    # a vision-language model's decoder takes the images too (its get_decoder() is the text model alone)
+    decoder, head = multimodal_decoder(base) or base.get_decoder(), base.get_output_embeddings()
     if decoder is base or head is None:
         return None, f"{type(base).__name__} has no separate decoder and output head"
     transforms = [name for name in LOGIT_TRANSFORMS if _config_value(base.config, name) not in (None, 1, 1.0)]

@@ -26,7 +26,7 @@ import torch
 
 from sfttool import compat
 from sfttool.model import moe
-from sfttool.model.vision import is_vision_language, language_model_prefix, language_model_targets
+from sfttool.model.vision import is_vision_language, language_model_prefix, language_model_targets, vision_modules
 from sfttool.registry import ConfigBuildError, build_if_config
 
 LORA_TARGETS = ("all", "attention", "experts")
@@ -199,6 +199,41 @@ def default_targets(llm: torch.nn.Module) -> str | list[str]:
     if not is_vision_language(llm):
         return find_linear_names(llm)
     return language_model_targets(llm, find_linear_names(llm.get_decoder()))
+
+
+def vision_language_targets(llm: torch.nn.Module, lora_config: Any, lora_targets: str, freeze_llm: bool,
+                            lora_vision_tower: bool, train_projector: bool) -> None:
+    """Set the targets of LoRA on a vision-language model: the language model's (``lora_targets``' choice)
+    unless it is frozen, the vision tower's linear layers with ``lora_vision_tower``, and the projector
+    trained whole beside the adapters (peft's ``modules_to_save``: saved with the adapter, merged by
+    ``merge``) with ``train_projector``. Targets the config names itself are kept as they are."""
+    tower, projector = vision_modules(llm)
+    if lora_config.target_modules is None and not lora_config.target_parameters:
+        patterns = []
+        if not freeze_llm:
+            modules, lora_config.target_parameters = chosen_targets(llm, lora_targets)
+            patterns.append(modules)
+        if lora_vision_tower:
+            patterns.append(vision_tower_targets(llm, tower, projector))
+        lora_config.target_modules = patterns[0] if len(patterns) == 1 else "|".join(f"(?:{p})" for p in patterns)
+    elif freeze_llm or lora_vision_tower:
+        raise ConfigBuildError("model.lora names its own target_modules: they decide where LoRA goes, so "
+                               "model.freeze_llm / model.lora_vision_tower cannot; keep one of the two")
+    if train_projector:
+        lora_config.modules_to_save = sorted(set(lora_config.modules_to_save or ()) | set(projector))
+
+
+def vision_tower_targets(llm: torch.nn.Module, tower: list[str], projector: list[str]) -> str:
+    """A pattern for the linear layers of the vision tower, the projector inside it left out.
+
+    Qwen2.5-VL -> '(?:.*\\.)?model\\.visual\\.(?!(?:merger)\\.).*\\.(?:down_proj|gate_proj|proj|qkv|up_proj)'"""
+    prefix = tower[0]
+    inside = [p[len(prefix) + 1:] for p in projector if p.startswith(prefix + ".")]
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in llm.named_modules()
+                    if isinstance(module, torch.nn.Linear) and name.startswith(prefix + ".")
+                    and not any(name.startswith(p + ".") for p in projector)})
+    skip = f"(?!(?:{'|'.join(map(re.escape, inside))})\\.)" if inside else ""
+    return rf"(?:.*\.)?{re.escape(prefix)}\.{skip}.*\.(?:{'|'.join(map(re.escape, names))})"
 
 
 def load_adapter_folder(peft_llm: torch.nn.Module, path: str | os.PathLike) -> None:

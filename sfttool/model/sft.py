@@ -11,6 +11,8 @@ other on every backend. A padding mask or a KV cache would silently undo that.
 (Flash-attention reads the boundaries from one row only, so with it the batch
 runs as a single row.) Under sequence parallelism (``sfttool.parallel``) each
 rank runs its slice of every row, and attention reads the whole rows' positions.
+An image-text batch's pixels (and grids) go to the model with the ids, and each
+packed sample gets its own multimodal positions (``sfttool.model.vision``).
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
                                         chunked_linear_cross_entropy, chunked_token_log_probs)
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
-from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder
-from sfttool.model.vision import freeze_vision, is_vision_language, packed_position_ids, uses_multimodal_rope
+from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder, vision_language_targets
+from sfttool.model.vision import (check_vision_settings, freeze_parts, image_inputs, is_vision_language,
+                                  multimodal_position_ids, uses_multimodal_rope, vision_parameters)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -68,8 +71,14 @@ class SupervisedFinetune(BaseModel):
         router_aux_loss_coef: the weight of the router's load-balancing loss in the training loss
             (mixture-of-experts models that define one); None: the model's own
             ``config.router_aux_loss_coef``; 0: left out. See docs/moe.md.
-        freeze_vision_tower: a vision-language checkpoint's vision tower and projector stay frozen
-            (``sfttool.model.vision``); False trains them too (full fine-tuning only).
+        freeze_vision_tower: a vision-language checkpoint's vision tower stays frozen
+            (``sfttool.model.vision``); False trains it (full fine-tuning; with LoRA see
+            ``lora_vision_tower``).
+        freeze_projector: the projector (image features -> the language model's embeddings) stays
+            frozen; None (default): as ``freeze_vision_tower``. False with LoRA trains it whole beside
+            the adapters (saved with them).
+        freeze_llm: the language model stays frozen (e.g. LLaVA's pretraining stage: the projector alone).
+        lora_vision_tower: LoRA adapters on the vision tower's linear layers too (with ``lora``).
     """
 
     # sfttool.registry.build hands `llm` over as a config: build_llm fixes
@@ -79,7 +88,8 @@ class SupervisedFinetune(BaseModel):
     def __init__(self, llm, lora=None, peft_model=None, use_activation_checkpointing=True,
                  use_varlen_attn=False, tokenizer=None, max_position_embeddings=None,
                  loss_reduction="token", loss_implementation="chunked", loss_chunk_size=DEFAULT_CHUNK_SIZE,
-                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, data_preprocessor=None):
+                 lora_targets="all", router_aux_loss_coef=None, freeze_vision_tower=True, freeze_projector=None,
+                 freeze_llm=False, lora_vision_tower=False, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
         check_loss_settings(loss_reduction, loss_implementation, loss_chunk_size)
         self.loss_reduction = loss_reduction
@@ -96,10 +106,10 @@ class SupervisedFinetune(BaseModel):
         if not self.use_lora and lora_targets != "all":
             raise ConfigBuildError(f"model.lora_targets={lora_targets!r} chooses where LoRA goes, but model.lora is "
                                    "None (full fine-tuning trains everything): set model.lora or remove lora_targets")
-        if self.use_lora and not freeze_vision_tower and is_vision_language(llm):
-            raise ConfigBuildError("model.freeze_vision_tower=False: LoRA here trains the language model only; "
-                                   "train the vision tower with full fine-tuning (lora=None) or keep it frozen")
-        self.frozen_vision_parameters = freeze_vision(llm, freeze_vision_tower)
+        # on a text model any of these switches is an error; on a vision-language model they must agree
+        freeze_parts(llm, freeze_vision_tower, freeze_projector, freeze_llm, lora_vision_tower)
+        check_vision_settings(self.use_lora, freeze_vision_tower, freeze_projector, freeze_llm, lora_vision_tower)
+        self.frozen_vision_parameters = sum(p.numel() for p in vision_parameters(llm).values() if not p.requires_grad)
         self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
         self.llm = llm
         self.router_aux_loss_coef = moe.aux_loss_coefficient(llm, router_aux_loss_coef)
@@ -108,10 +118,16 @@ class SupervisedFinetune(BaseModel):
         self.flatten_batch = "flash" in str(getattr(llm.config, "_attn_implementation", ""))
         if use_activation_checkpointing:
             self.gradient_checkpointing_enable()
+        if self.use_lora and is_vision_language(llm):
+            train_projector = freeze_projector is False
+            vision_language_targets(llm, self.lora, lora_targets, freeze_llm, lora_vision_tower, train_projector)
+            lora_targets = "all"  # chosen above
         if self.use_lora:
             self.llm = apply_lora(llm, self.lora, use_activation_checkpointing, lora_targets)
         if peft_model is not None:
             self.load_peft_model(peft_model)
+        # trained vision tower or projector parameters (each batch without images must still reach them)
+        self._trained_vision = [p for p in vision_parameters(self.llm).values() if p.requires_grad]
         parts, why = split_lm(self.llm)
         if parts is None and loss_implementation != "unchunked":
             logger.warning("model.loss_implementation=%r: %s, so the loss computes all trained positions' "
@@ -199,12 +215,13 @@ class SupervisedFinetune(BaseModel):
         kwargs = dict(attention_mask=None, use_cache=False)
         if split is None:
             split = self._row_split(position_ids)
+        images = image_inputs(data)  # the batch's pixels (and grids), as the processor gave them
         if split is not None:
             input_ids, position_ids = split.local(input_ids, 0), split.local_positions()
             kwargs["sequence_parallel"] = split
-        elif self.multimodal_rope:
-            position_ids = packed_position_ids(position_ids)
-        return dict(kwargs, input_ids=input_ids, position_ids=position_ids), flat, split
+        elif self.multimodal_rope:  # each packed sample's own 3-D positions around its images
+            position_ids = multimodal_position_ids(self.llm, input_ids, position_ids, images.get("image_grid_thw"))
+        return dict(kwargs, input_ids=input_ids, position_ids=position_ids, **images), flat, split
 
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:
         """The logits of ``self.llm`` (or of another ``llm``, e.g. a frozen reference copy, run
@@ -315,6 +332,7 @@ class SupervisedFinetune(BaseModel):
                 hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
                 weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
                 total = self._head_loss(parts, hidden, targets[keep], weights)
+        total = total + self._untouched_vision_zero(data)
         units = self._loss_units(keep, position_ids)
         if not router_logits:
             return {"loss": self.normalize(total, data), **step_metrics(loss=(total, units))}
@@ -324,6 +342,15 @@ class SupervisedFinetune(BaseModel):
         objective = total + self.router_aux_loss_coef * aux * units
         return {"loss": self.normalize(objective, data),
                 **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
+
+    def _untouched_vision_zero(self, data: dict) -> torch.Tensor | int:
+        """0 for a batch with images; for one without, a zero that depends on the trained vision tower and
+        projector parameters. Every process's backward then reaches the same parameters: DDP and ZeRO
+        reduce gradients in buckets, and a process whose batch had no image would leave its buckets
+        waiting (the others' hold the images' gradients). Their gradient from this batch stays 0."""
+        if not self._trained_vision or image_inputs(data):
+            return 0
+        return sum(p.sum() for p in self._trained_vision) * 0.0
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's

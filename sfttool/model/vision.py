@@ -1,9 +1,9 @@
 """Vision-language checkpoints (image-text-to-text classes: Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3, ...)
-trained on text rows.
+trained on text and image-text rows.
 
-Such a model is a vision tower and a projector beside a language model. Text rows reach only the
-language model and its head; the rest is frozen (``freeze_vision_tower``) and left out of LoRA's
-default targets, so the export holds the vision weights exactly as they were loaded:
+Such a model is a vision tower and a projector beside a language model (``PARTS``). By default the
+vision tower and projector are frozen and left out of LoRA's targets, so the export holds their weights
+exactly as they were loaded; ``freeze_parts`` and the LoRA settings choose otherwise:
 
     model = dict(type=SupervisedFinetune, llm=dict(type=AutoModelForImageTextToText.from_pretrained, ...))
 
@@ -13,7 +13,11 @@ What is vision is found by structure, not by class name: every parameter outside
 Models with multimodal rotary positions (Qwen2-VL's ``mrope``: one position per temporal, height and
 width axis) take a packed batch's positions as four rows: the text positions, which mark where each
 packed sample starts, then the three axes, which for text are the same positions
-(``packed_position_ids``).
+(``packed_position_ids``) and around images are what the model computes for each sample alone
+(``multimodal_position_ids``).
+
+Image-text batches carry the processor's image tensors (``IMAGE_KEYS``) for all images of the batch in
+row order then token order; they go to the model as they are.
 """
 from __future__ import annotations
 
@@ -48,17 +52,121 @@ def vision_parameters(llm: Any) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in base.named_parameters() if id(p) not in kept}
 
 
-def freeze_vision(llm: Any, freeze_vision_tower: bool) -> int:
-    """Freeze the vision tower and projector of ``llm``; returns how many parameters that froze.
-    ``freeze_vision_tower=False`` on a model without one is an error (nothing to train there)."""
-    params = vision_parameters(llm)
-    if not params and not freeze_vision_tower:
-        raise ConfigBuildError(f"model.freeze_vision_tower=False: {type(base_model(llm)).__name__} has no vision "
-                               "tower to train; remove the setting")
-    if freeze_vision_tower:
-        for p in params.values():
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep their projector (the patch merger) inside the vision tower.
+PROJECTOR_NAMES_IN_ENCODER = ("merger", "deepstack_merger_list")
+PARTS = ("vision tower", "projector", "language model")
+
+
+def vision_modules(llm: Any) -> tuple[list[str], list[str]]:
+    """``(vision tower, projector)``: the qualified module names of each in the transformers model; both
+    empty for a text-only model. The tower is transformers' image encoder (``get_encoder('image')``)
+    less any projector inside it; the projector is what else lies outside the language model.
+
+    Qwen2.5-VL -> (['model.visual'], ['model.visual.merger']);
+    LLaVA -> (['model.vision_tower'], ['model.multi_modal_projector'])"""
+    base = base_model(llm)
+    params = vision_parameters(base)
+    if not params:
+        return [], []
+    encoder = base.get_encoder(modality="image")
+    tower = next((name for name, module in base.named_modules() if module is encoder and name), None)
+    projector = set()
+    for name in params:
+        if tower and name.startswith(tower + "."):
+            parts = name[len(tower) + 1:].split(".")
+            hit = next((i for i, part in enumerate(parts) if part in PROJECTOR_NAMES_IN_ENCODER), None)
+            if hit is not None:
+                projector.add(".".join([tower, *parts[:hit + 1]]))
+        else:
+            projector.add(_outermost_vision_module(base, name, params))
+    if tower is None:  # no encoder transformers knows of: all of it counts as the tower
+        return sorted(projector), []
+    return [tower], sorted(projector)
+
+
+def _outermost_vision_module(base: Any, name: str, params: dict) -> str:
+    """The outermost module holding parameter ``name`` whose parameters are all outside the language model."""
+    ids = {id(p) for p in params.values()}
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        prefix = ".".join(parts[:k])
+        if all(id(p) in ids for p in base.get_submodule(prefix).parameters()):
+            return prefix
+    return ".".join(parts[:-1])
+
+
+def part_parameters(llm: Any) -> dict[str, dict[str, torch.nn.Parameter]]:
+    """The parameters of each of ``PARTS`` by name (adapters and trained copies inside a part included)."""
+    base = base_model(llm)
+    tower, projector = vision_modules(base)
+    vision = vision_parameters(base)
+    under = lambda name, prefixes: any(name.startswith(p + ".") for p in prefixes)  # noqa: E731
+    return {"vision tower": {n: p for n, p in vision.items() if under(n, tower) and not under(n, projector)},
+            "projector": {n: p for n, p in vision.items() if under(n, projector)},
+            "language model": {n: p for n, p in base.named_parameters() if n not in vision}}
+
+
+def trained_parts(llm: Any) -> dict[str, tuple[str, int]]:
+    """Per part of a vision-language model: how it trains ('LoRA', 'full' or 'frozen') and its size
+    (the model's own weights, adapters left out); {} for a text-only model. A part trained whole beside
+    LoRA (peft's ``modules_to_save``) is 'full'."""
+    if not is_vision_language(llm):
+        return {}
+    out = {}
+    for part, params in part_parameters(llm).items():
+        trained = [n for n, p in params.items() if p.requires_grad]
+        mode = "LoRA" if any(".lora_" in n for n in trained) else "full" if trained else "frozen"
+        out[part] = (mode, sum(p.numel() for n, p in params.items() if ".lora_" not in n
+                               and ".modules_to_save." not in n))  # not peft's trained copy either
+    return out
+
+
+def freeze_parts(llm: Any, freeze_vision_tower: bool, freeze_projector: bool | None, freeze_llm: bool,
+                 lora_vision_tower: bool = False) -> None:
+    """Freeze the vision tower, projector and language model as asked (``freeze_projector=None``: as the
+    tower). On a text-only model any of them asked to train, or the model asked to freeze, is an error."""
+    if not is_vision_language(llm):
+        asked = [f"{key}={value}" for key, value, default in (
+            ("freeze_vision_tower", freeze_vision_tower, True), ("freeze_projector", freeze_projector, None),
+            ("freeze_llm", freeze_llm, False), ("lora_vision_tower", lora_vision_tower, False)) if value != default and not (key == "freeze_projector" and value)]
+        if asked:
+            raise ConfigBuildError(f"model.{asked[0]}: {type(base_model(llm)).__name__} has no vision tower "
+                                   "or projector to train or freeze; remove the setting")
+        return
+    freeze = {"vision tower": freeze_vision_tower, "language model": freeze_llm,
+              "projector": freeze_vision_tower if freeze_projector is None else freeze_projector}
+    for part, params in part_parameters(llm).items():
+        for p in params.values() if freeze[part] else ():
             p.requires_grad_(False)
-    return sum(p.numel() for p in params.values()) if freeze_vision_tower else 0
+
+
+def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
+                          freeze_llm: bool, lora_vision_tower: bool) -> None:
+    """The freeze switches and LoRA agree, and something trains."""
+    if use_lora and not freeze_vision_tower:
+        raise ConfigBuildError("model.freeze_vision_tower=False with model.lora: set model.lora_vision_tower=True "
+                               "for LoRA on the vision tower, or lora=None to train it whole")
+    if lora_vision_tower and not use_lora:
+        raise ConfigBuildError("model.lora_vision_tower=True needs model.lora (LoRA settings); for full fine-tuning "
+                               "of the vision tower set freeze_vision_tower=False instead")
+    if use_lora and freeze_llm and not lora_vision_tower:
+        raise ConfigBuildError("model.freeze_llm=True with model.lora: LoRA would adapt nothing; set "
+                               "model.lora_vision_tower=True, or lora=None to train the projector alone")
+    if not use_lora and freeze_llm and freeze_vision_tower and freeze_projector in (None, True):
+        raise ConfigBuildError("model.freeze_llm=True with the vision tower and projector frozen: nothing trains; "
+                               "set model.freeze_projector=False (e.g. LLaVA's pretraining stage)")
+
+
+def quantization_skip_modules(cls: Any, config: Any) -> list[str]:
+    """Modules a 4-bit load of a vision-language ``config`` keeps unquantized: the vision tower, the
+    projector and the output head (bitsandbytes' ``llm_int8_skip_modules``; naming any replaces
+    transformers' default of the head). Found on a weightless copy of the model (meta device)."""
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    tower, projector = vision_modules(model)
+    head = model.get_output_embeddings()
+    heads = [name for name, module in model.named_modules() if module is head and name]
+    return sorted(set(tower + projector + heads))
 
 
 def language_model_prefix(llm: Any) -> str | None:
@@ -97,6 +205,76 @@ def packed_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     attention mask keeps packed samples apart) and the temporal, height and width positions, which for
     text equal them (what the model computes itself for one unpacked text row)."""
     return position_ids.unsqueeze(0).expand(4, *position_ids.shape)
+
+
+# The processor outputs an image-text batch hands to the model: Qwen2-VL's patches [total_patches, C*T*P*P]
+# and grids [n_images, 3]; LLaVA's pixels [n_images, 3, H, W] (LLaVA-NeXt adds image_sizes [n_images, 2]).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+def image_inputs(data: dict) -> dict[str, torch.Tensor]:
+    """The image tensors of a collated batch (``IMAGE_KEYS`` present in it); {} for a text batch."""
+    return {key: data[key] for key in IMAGE_KEYS if data.get(key) is not None}
+
+
+def multimodal_decoder(llm: Any) -> Any:
+    """The module that turns ``input_ids`` and the image tensors into the language model's last hidden
+    states (an image-text-to-text class's ``model``: vision tower, projector and language model), or None
+    for a text-only model. The chunked loss runs it in place of ``get_decoder()``, which sees text only."""
+    base = base_model(llm)
+    if not is_vision_language(base):
+        return None
+    inner = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    return inner if isinstance(inner, torch.nn.Module) and inner is not base else None
+
+
+def token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` ids -> ``[batch, seq]`` modality of each token as the processor's
+    ``mm_token_type_ids`` gives it: 0 text, 1 image, 2 video."""
+    types = torch.zeros_like(input_ids)
+    for kind, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, name, None)
+        if token is not None:
+            types = types.masked_fill(input_ids == token, kind)
+    return types
+
+
+def multimodal_position_ids(llm: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, seq]`` packed ids and text positions -> ``[4, batch, seq]`` positions: the text positions,
+    then for each packed sample the model's own ``get_rope_index`` of that sample alone (what it computes
+    when the sample is its whole input). ``image_grid_thw`` [n_images, 3] lists the batch's images in row
+    order then token order; a sample takes as many as cover its image tokens.
+
+    Two samples [text, image of grid (1, 2, 2), text] packed -> row 0: 0 1 2 | 0 1 2 (one merged image
+    token) ..., rows 1-3: each sample's own 3-D positions."""
+    positions = packed_position_ids(position_ids)
+    if image_grid_thw is None:
+        return positions
+    base = base_model(llm)
+    model = getattr(base, "model", base)  # get_rope_index lives on the multimodal model
+    merge = base.config.vision_config.spatial_merge_size
+    types = token_types(base.config, input_ids)
+    positions, grids = positions.clone(), iter(image_grid_thw)
+    for row in range(input_ids.shape[0]):
+        starts = (position_ids[row] == 0).nonzero().flatten().tolist() + [input_ids.shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            wanted, own = int((types[row, start:end] == 1).sum()), []
+            while wanted > 0:
+                grid = next(grids, None)
+                if grid is None:
+                    raise ValueError("the batch has more image tokens than image_grid_thw covers")
+                own.append(grid)
+                wanted -= int(grid.prod()) // merge ** 2
+            if wanted < 0:
+                raise ValueError(f"row {row}: image_grid_thw does not match the image tokens of the sample "
+                                 f"at position {start} (an image split between samples)")
+            if own:
+                rope, _ = model.get_rope_index(input_ids[row:row + 1, start:end],
+                                               mm_token_type_ids=types[row:row + 1, start:end],
+                                               image_grid_thw=torch.stack(own))
+                positions[1:, row, start:end] = rope[:, 0]
+    return positions
 
 
 def language_model_class(path: Any, **kwargs: Any) -> Any:

@@ -24,9 +24,10 @@ from sfttool import compat
 from sfttool.config import load_config
 from sfttool.dataset.encode import encode_prompt
 from sfttool.errors import SfttoolError
+from sfttool.tools.image_chat import answer_message, image_messages, prompt_inputs
 from sfttool.model.hf_folder import SAVED_CONFIG_NAME
 from sfttool.model.vision import language_model_class
-from sfttool.tools.merge import (adapter_tokenizer, fit_embeddings_to_adapter, load_errors,
+from sfttool.tools.merge import (adapter_tokenizer, fit_embeddings_to_adapter, load_errors, saved_processor,
                                  training_output_problem)
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 from sfttool.utils.templates import PROMPT_TEMPLATE, SYSTEM_TEMPLATE, get_template, is_hf_chat_template
@@ -103,6 +104,18 @@ def load_chat_model(model_path: str | os.PathLike, adapter: str | os.PathLike | 
     model.eval()
     tokenizer = saved or AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     return model, tokenizer
+
+
+def load_chat_processor(model_path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                        trust_remote_code: bool = False):
+    """The processor of an image-text model (the adapter's when saved with it, else the model's) for
+    ``--image``; a model without one is an error."""
+    processor = (saved_processor(adapter, trust_remote_code=trust_remote_code) if adapter is not None else None) \
+        or saved_processor(model_path, trust_remote_code=trust_remote_code)
+    if processor is None:
+        raise ChatError(f"--image: {model_path} has no processor (processor_config.json / preprocessor_config.json): "
+                        "chat with images needs an image-text model and its processor files")
+    return processor
 
 
 def template_from_saved_config(folder: str | os.PathLike) -> Mapping | str | None:
@@ -227,16 +240,20 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, template: Mapping, system: str = "",
                  stop_words: Iterable[str] = (), settings: GenerationSettings | None = None,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, processor: Any = None, images: Iterable[str] = ()):
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.system = system
         self.tools = list(tools or [])  # tool schemas, on the first turn as training rows hold them
         self.stop_words = stop_words_for(template, tokenizer, model, stop_words)
         self.settings = settings or GenerationSettings()
         self.history: list[dict] = []
+        # A vision-language model's processor renders the conversation (``image_chat``); ``images`` go
+        # with the first question.
+        self.processor, self.images = processor, list(images)
+        self.messages: list[dict] = []
 
     def reset(self) -> None:
-        self.history = []
+        self.history, self.messages = [], []
 
     def prompt_ids(self, text: str) -> list[int]:
         """Ids of the history plus a new user turn, ready for the answer."""
@@ -254,17 +271,23 @@ class ChatSession:
         """Answer ``text`` (streamed to ``out`` when given), remember the turn, return the answer."""
         import torch
 
-        ids = self.prompt_ids(text)
-        input_ids = torch.tensor([ids], device=self.model.device)  # [1, prompt]
+        if self.processor is not None:
+            messages = image_messages(self.messages, text, [] if self.messages else self.images, self.system)
+            inputs = prompt_inputs(self.processor, messages, self.model.device)
+        else:
+            ids = self.prompt_ids(text)
+            input_ids = torch.tensor([ids], device=self.model.device)  # [1, prompt]
+            inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
         streamer = make_streamer(self.tokenizer, self.stop_words, out) if out is not None else None
         with torch.no_grad():
             output = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
-                stop_strings=self.stop_words or None, tokenizer=self.tokenizer,
-                pad_token_id=_pad_id(self.tokenizer),
-                **self.settings.generation_kwargs())
-        generated = self.tokenizer.decode(output[0, len(ids):], skip_special_tokens=False)
+                **inputs, streamer=streamer, stop_strings=self.stop_words or None, tokenizer=self.tokenizer,
+                pad_token_id=_pad_id(self.tokenizer), **self.settings.generation_kwargs())
+        prompt_length = inputs["input_ids"].shape[1]
+        generated = self.tokenizer.decode(output[0, prompt_length:], skip_special_tokens=False)
         answer = cut_at_stop_words(generated, self.stop_words)
+        if self.processor is not None:
+            self.messages = messages + [answer_message(answer)]
         self.history.append(self._opening({"input": text, "output": answer}))
         return answer
 

@@ -25,6 +25,9 @@ from sfttool.dataset.chat_targets import describe
 from sfttool.dataset.config_node import dataset_node, is_process_hf_dataset, pipeline_args
 from sfttool.dataset.conversation import check_conversation, check_turn_keys, is_empty, to_messages
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
+from sfttool.dataset.image_tokens import image_token_id
+from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN, bind_row, decode_image
+from sfttool.dataset.images_stage import build_processor, data_folder
 from sfttool.dataset.data_sources import process_data_sources, run_sources, source_lines
 from sfttool.dataset.mix import mix_datasets
 from sfttool.dataset.streaming_sources import StreamingDataSources, stream_problems
@@ -60,23 +63,34 @@ def check_settings(args: dict, raw, map_fn, source: str | None, findings: Findin
                       "anyway when packing; set remove_unused_columns=True to say so")
 
 
-def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
-    """Run the pipeline's map fn stage and the schema check on every row; list the first errors."""
-    collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source), findings, max_errors)
+def check_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int,
+               image_folder: Any = False, decode_images: bool = False) -> None:
+    """Run the pipeline's map fn stage and the schema check on every row; list the first errors.
+    ``image_folder`` (None or a folder; False: not image data) checks each row's images too, decoding
+    them whole with ``decode_images``."""
+    collect_row_errors(dataset, lambda row, index: check_row(row, index, map_fn, source, image_folder, decode_images),
+                       findings, max_errors)
 
 
-def check_row(row: dict, index: int, map_fn, source: str | None) -> None:
+def check_row(row: dict, index: int, map_fn, source: str | None, image_folder: Any = False,
+              decode_images: bool = False) -> None:
     """One raw row through the map fn stage, then strictly against the standard schema: a row the
-    pipeline would drop whole is an error here, named with the cause the pipeline counts it under."""
+    pipeline would drop whole is an error here, named with the cause the pipeline counts it under.
+    Image data (``image_folder`` not False): its images found, readable and one per placeholder."""
     notes: list[str] = []
     if map_fn is not None:
         mapped, changes = map_rows([row], [index], map_fn, source)
-        row, notes = mapped[0], changes[0]
+        row, notes = {**row, **mapped[0]}, changes[0]  # as the pipeline's map stage keeps the other fields
     conversation = row.get("conversation")
     if is_empty(conversation):
         raise DatasetError(f"{where(index, source)}: {drop_emptied(notes)} (this row would be dropped)")
     check_conversation(conversation, index, source)
     check_turn_keys(conversation, index, source)
+    if image_folder is not False:
+        given = row.get(IMAGES_COLUMN) if row.get(IMAGES_COLUMN) is not None else row.get(LLAVA_COLUMN)
+        _, paths, _ = bind_row(conversation, given, image_folder, data_folder(source, index), index, source)
+        for path in paths if decode_images else ():
+            decode_image(path, index, source)
 
 
 # ---------------------------------------------------------------------------
@@ -97,8 +111,10 @@ def show_row(row: dict) -> str:
     return "\n".join(lines)
 
 
-def print_stages(report, tokenizer, echo: Echo, color: bool, map_fn_key: str = "dataset_map_fn") -> None:
-    names = {"loaded": "raw row", "map_fn": f"after {map_fn_key}", "template": "after template_map_fn"}
+def print_stages(report, tokenizer, echo: Echo, color: bool, map_fn_key: str = "dataset_map_fn",
+                 image_token_id: int | None = None) -> None:
+    names = {"loaded": "raw row", "map_fn": f"after {map_fn_key}", "template": "after template_map_fn",
+             "images": "after binding images"}
     for key, title in names.items():
         if key in report.stages and len(report.stages[key]):
             echo(f"\n== {title} (row 0) ==\n{show_row(report.stages[key][0])}")
@@ -108,11 +124,32 @@ def print_stages(report, tokenizer, echo: Echo, color: bool, map_fn_key: str = "
         echo(f"\n== input_ids (row 0) ==\n{shorten(row['input_ids'])}")
         echo(f"\n== labels (row 0) ==\n{shorten(row['labels'])}")
         echo(f"\n== trained vs masked (row 0; {legend(color)}, trained text plain) ==")
-        echo(show_masked(row["input_ids"], row["labels"], tokenizer, color))
+        echo(show_masked(row["input_ids"], row["labels"], tokenizer, color, row.get("images"), image_token_id))
+        print_image_row(encoded, tokenizer, echo, color, image_token_id)
     final = report.stages.get("packed", report.stages.get("rows"))
     if final is not None and len(final):
         row = final[0]
         echo(f"\n== final row 0: {row['length']} tokens, samples of {row['sample_lengths']} ==")
+
+
+def print_image_row(encoded, tokenizer, echo: Echo, color: bool, image_token_id: int | None) -> None:
+    """The first sample with images (when row 0 has none): each image in its place with its token count."""
+    if image_token_id is None or "images" not in encoded.column_names or encoded[0]["images"]:
+        return
+    first = next((i for i, images in enumerate(encoded["images"]) if images), None)
+    if first is not None:
+        row = encoded[first]
+        number = row.get(ROW_COLUMN, first)
+        echo(f"\n== an image row (row {number}), trained vs masked ==")
+        echo(show_masked(row["input_ids"], row["labels"], tokenizer, color, row["images"], image_token_id))
+
+
+def image_lines(encoded) -> list[str]:
+    """``images: 5 (in 3 of 4 samples)``: how many images the samples hold."""
+    if encoded is None or "images" not in encoded.column_names:
+        return []
+    counts = [len(images) for images in encoded["images"]]
+    return [f"images: {sum(counts)} (in {sum(1 for n in counts if n)} of {len(counts)} samples)"]
 
 
 def row_kinds(report) -> dict[int, str]:
@@ -179,7 +216,7 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     lengths = np.asarray(report.sample_lengths)
     echo("\n== statistics ==")
     echo(f"rows in: {report.rows_in}   rows out: {report.rows_out}")
-    for line in split_lines(report) + drop_lines(report):
+    for line in split_lines(report) + drop_lines(report) + image_lines(report.stages.get("encoded")):
         echo(line)
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
@@ -200,11 +237,12 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
 # The command.
 
 def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Echo = print,
-                  color: bool = False, skip_bad_rows: bool = False) -> int:
+                  color: bool = False, skip_bad_rows: bool = False, decode_images: bool = False) -> int:
     """Check a config's training dataset; return the exit code (0 ok, 1 errors).
 
     A ``mix_datasets`` node is checked dataset by dataset, a ``process_data_sources`` node source by
     source. ``skip_bad_rows``: as ``sfttool train --skip-bad-rows`` (``resolve.skip_bad_rows_in``).
+    ``decode_images``: image-text rows' images are decoded whole, not only their headers read.
     """
     echo(f"Config: {find_config(config)}")
     cfg = load_config(config, cfg_options)
@@ -224,10 +262,10 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
         for i, part in enumerate(parts):
             echo(f"\n######## mix_datasets: dataset {i + 1} of {len(parts)} ########")
             check_one(_plain(part, f"{cfg.filename}: train_dataloader.dataset.datasets[{i}]"), findings,
-                      max_errors, echo, color, batch_size)
+                      max_errors, echo, color, batch_size, decode_images)
     else:
         check_one(_plain(node, f"{cfg.filename}: train_dataloader.dataset"), findings, max_errors, echo, color,
-                  batch_size)
+                  batch_size, decode_images)
     return finish(findings, echo)
 
 
@@ -241,8 +279,9 @@ def _plain(node: Any, key: str) -> dict:
 
 
 def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color: bool,
-              batch_size: int | None) -> None:
-    """All checks and printouts for one process_hf_dataset node."""
+              batch_size: int | None, decode_images: bool = False) -> None:
+    """All checks and printouts for one process_hf_dataset node (``decode_images``: each image decoded whole
+    too, which finds a file whose header reads but whose pixels do not)."""
     args = pipeline_args(node)
     errors_before = findings.count()
     raw_cfg, source = args["dataset"], args["source"] or source_name(args["dataset"])
@@ -254,14 +293,19 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         return
     map_fn = resolve_map_fn(args["dataset_map_fn"])
     check_settings(args, every, map_fn, source, findings)
-    tokenizer = build_if_config(args["tokenizer"], "tokenizer")
+    processor = guard(findings, build_processor, args.get("processor"))
+    tokenizer = build_if_config(args["tokenizer"], "tokenizer") if processor is None or args["tokenizer"] \
+        else processor.tokenizer
     template = template_of(args["template_map_fn"])
     if template is not None:
         for warning in template_warnings(template, tokenizer):
             findings.warn(warning)
     if findings.count() == errors_before:
         echo(f"Validating all {len(every)} rows ...")
-        check_rows(every, map_fn, source, findings, max_errors)
+        # With skip_bad_rows a bad image is a counted drop of the pipeline (listed below), not an error.
+        check_images = processor is not None and not args.get("skip_bad_rows")
+        check_rows(every, map_fn, source, findings, max_errors, args.get("image_folder") if check_images else False,
+                   decode_images)
     if findings.count() > errors_before:
         return
     raw = load_trained_part(raw_cfg, every, args["split"], findings, echo)
@@ -269,13 +313,13 @@ def check_one(node: dict, findings: Findings, max_errors: int, echo: Echo, color
         return
     params = inspect.signature(run_pipeline).parameters
     run_args = {k: v for k, v in args.items() if k in params}
-    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True, source=source)
+    run_args.update(dataset=raw, tokenizer=tokenizer, keep_stages=True, source=source, processor=processor)
     dataset, report = guard(findings, run_pipeline, **run_args) or (None, None)
     if report is not None:
         for line in change_lines(report):
             findings.warn(line)
         check_turn_ends(report, tokenizer, findings)
-        print_stages(report, tokenizer, echo, color)
+        print_stages(report, tokenizer, echo, color, image_token_id=processor and image_token_id(processor))
         print_kinds(report, row_kinds(report), tokenizer, echo, color)
         print_stats(report, args, batch_size, echo)
 

@@ -196,6 +196,18 @@ def adapter_tokenizer(adapter: str | os.PathLike, **kwargs):
     return AutoTokenizer.from_pretrained(str(adapter), **kwargs)
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def saved_processor(folder: str | os.PathLike, **kwargs):
+    """The processor saved in a model or adapter folder (an image-text model's), or None."""
+    if not any((Path(folder) / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+    compat.processors_without_torchvision()
+    return AutoProcessor.from_pretrained(str(folder), **kwargs)
+
+
 def fit_embeddings_to_adapter(model, tokenizer) -> None:
     """Grow the base model's embeddings to ``tokenizer``, the one saved with the adapter (None: no
     change), as training did when it had added tokens; the adapter then carries the trained rows
@@ -208,7 +220,8 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
                   device: str = "cpu", safe_serialization: bool = True,
                   max_shard_size: str | int = "2GB") -> Path:
     """Write the merged model, the tokenizer (the adapter's if it has one, else
-    the base's) and the training config when the adapter folder carries it."""
+    the base's), the processor of an image-text model (likewise) and the training config when the
+    adapter folder carries it."""
     from transformers import AutoTokenizer
 
     adapter, save_dir = Path(adapter), Path(save_dir)
@@ -217,6 +230,9 @@ def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, save_dir:
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(base)
     with output_folder(save_dir, MergeError) as tmp:
         save_model(merged, tmp, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
+        processor = saved_processor(adapter) or saved_processor(base)
+        if processor is not None:  # a vision-language model's: the merged folder loads like the base
+            processor.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if (adapter / SAVED_CONFIG_NAME).is_file():
             shutil.copy(adapter / SAVED_CONFIG_NAME, tmp / SAVED_CONFIG_NAME)

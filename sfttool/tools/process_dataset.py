@@ -25,9 +25,12 @@ from typing import Any
 
 from sfttool import __version__
 from sfttool.dataset.errors import DatasetError
+from sfttool.dataset.image_rows import IMAGES_COLUMN
+from sfttool.dataset.images_stage import build_processor
 from sfttool.dataset.pack import packing_efficiency
 from sfttool.dataset.lazy import LAZY_SETTINGS
 from sfttool.dataset.pipeline import number_rows, process_hf_dataset, select_rows
+from sfttool.dataset.pixels import with_pixels
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset import resolve
 from sfttool.dataset.stats import dataset_stats
@@ -137,6 +140,8 @@ def process_dataset(cfg, out_dir: str | Path, num_proc: int | None = None, overw
     shards = []
     for i, dataset in enumerate(_shard_datasets(node, shard_rows)):
         name = f"shard-{i:05d}"
+        if dataset.format.get("type") == "custom":  # image rows: the pixel loader is not saved; loading adds it
+            dataset = dataset.with_format(None)
         dataset.save_to_disk(str(tmp / name))
         shards.append(shard_entry(name, dataset, node.get("max_length")))
         del dataset  # the next shard starts from a clean slate
@@ -227,11 +232,13 @@ def read_manifest(path: str | Path) -> dict:
 
 @BUILDER.register_module()
 def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = None,
-                           max_length: int | None = None):
+                           max_length: int | None = None, processor: Any = None):
     """Open a dataset saved by ``sfttool process-dataset`` (memory-mapped, nothing re-tokenized).
 
     ``expected_fingerprint`` refuses a folder whose data changed; ``max_length``
-    one packed for another row length. What was loaded is logged.
+    one packed for another row length. Image-text rows (an ``images`` column) need the ``processor``
+    they were encoded with: their pixels are loaded when a row is read (``dataset.pixels``). What was
+    loaded is logged.
 
     >>> ds = load_processed_dataset('processed/alpaca')
     >>> ds.column_names
@@ -252,6 +259,12 @@ def load_processed_dataset(path: str | Path, expected_fingerprint: str | None = 
         f"fingerprint {manifest['fingerprint']}, config_hash {manifest['config_hash']})")
     files = [str(Path(path) / DATA_DIR / s["name"]) for s in manifest["shards"]]
     if manifest.get("format") == "parquet":  # written by `process-dataset --ray` (tools/process_ray.py)
-        return datasets.load_dataset("parquet", data_files=files, split="train")
-    parts = [datasets.load_from_disk(file) for file in files]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        dataset = datasets.load_dataset("parquet", data_files=files, split="train")
+    else:
+        parts = [datasets.load_from_disk(file) for file in files]
+        dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    processor = build_processor(processor)
+    if IMAGES_COLUMN in dataset.column_names and processor is None:
+        raise ProcessedDatasetError(f"{path}: the rows hold images: set processor=dict(type=AutoProcessor."
+                                    "from_pretrained, ...) (the one they were encoded with) to load their pixels")
+    return with_pixels(dataset, processor)

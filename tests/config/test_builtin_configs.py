@@ -40,7 +40,11 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1", "qwen3_8b_lora_grpo_math_e1",
                  # mixture-of-experts models (docs/moe.md)
                  "qwen3_30b_a3b_moe_lora_alpaca_e3", "qwen3_30b_a3b_moe_qlora_alpaca_e3",
-                 "mixtral_8x7b_instruct_v0_1_moe_lora_alpaca_e3"}
+                 "mixtral_8x7b_instruct_v0_1_moe_lora_alpaca_e3",
+                 # image-text fine-tuning (docs/multimodal.md)
+                 "qwen2_5_vl_3b_instruct_lora_llava_instruct_e1", "qwen2_5_vl_3b_instruct_qlora_llava_instruct_e1",
+                 "qwen2_5_vl_7b_instruct_lora_llava_instruct_e1", "qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1",
+                 "llava_1_5_7b_hf_qlora_llava_instruct_e1"}
 FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
     "qwen2_5_0_5b_instruct": ("qwen_chat", False),
     "qwen2_5_1_5b_instruct": ("qwen_chat", False),
@@ -222,11 +226,14 @@ PART_3_TO_5_REFERENCES = {
     "ORPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
     "RewardModel": CONFIG_DIR / "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1.py",
     "GRPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1.py",
+    # image-text SFT: a processor renders the rows, a sample answer is about an image
+    "SupervisedFinetune (image-text)": CONFIG_DIR / "qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1.py",
 }
 
 
 def _model_class(path: Path) -> str:
-    return _materialise(load_config(path.stem).model["type"]).__name__
+    cfg = load_config(path.stem)
+    return _materialise(cfg.model["type"]).__name__ + (" (image-text)" if cfg.get("processor") else "")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -241,7 +248,7 @@ def test_parts_3_to_5_are_the_same_in_every_builtin_config_of_a_family(path):
 def test_the_families_have_different_references():
     # Two references that were equal would be one family: keep the mapping honest.
     texts = {ref: _parts_3_to_5(ref) for ref in PART_3_TO_5_REFERENCES.values()}
-    assert len(set(texts.values())) == len(texts) == 4
+    assert len(set(texts.values())) == len(texts) == 5
 
 
 def _chat_hooks(cfg) -> list[dict]:

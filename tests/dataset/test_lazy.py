@@ -250,3 +250,10 @@ def test_a_bad_line_or_row_of_a_json_file_is_one_line_naming_it(tmp_path, tiny_t
     assert read("typed.jsonl") == (f"{tmp_path / 'typed.jsonl'}, row 4, field 'conversation[0].input': expected a "
                                    "string, got an int; fix the data or the dataset_map_fn so every turn's `system`, "
                                    "`input` and `output` are strings")
+
+
+def test_image_rows_are_refused_not_read_as_text(rows, tiny_tokenizer):
+    with_images = [{**row, "images": ["a.png"]} for row in rows[:4]]
+    with pytest.raises(DatasetError, match=r"^qa\.jsonl: rows with images \(a 'images' column\) are not encoded "
+                                           r"lazily; remove lazy_encode$"):
+        build(with_images, tiny_tokenizer, source="qa.jsonl")

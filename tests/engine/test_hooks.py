@@ -62,9 +62,15 @@ def test_hooks_accept_tokenizer_configs(tiny_tokenizer_dir):
     assert ThroughputHook().peak_tflops is None
 
 
-def test_images_are_refused(tiny_tokenizer):
-    with pytest.raises(ValueError, match="evaluation_images"):
-        EvaluateChatHook(tiny_tokenizer, ["x"], evaluation_images=["a.png"])
+def test_evaluation_images_are_checked(tiny_tokenizer, tmp_path):
+    from sfttool import assets
+    with pytest.raises(ValueError, match=f"EvaluateChatHook: evaluation_images: {tmp_path}/a.png does not exist"):
+        EvaluateChatHook(tiny_tokenizer, ["x"], evaluation_images=[str(tmp_path / "a.png")])
+    image = str(assets.write_png(tmp_path / "b.png", 28, 28))
+    with pytest.raises(ValueError, match="EvaluateChatHook: 2 evaluation_images for 3 evaluation_inputs; give one "
+                                         "image for all of them or one per input"):
+        EvaluateChatHook(tiny_tokenizer, ["x", "y", "z"], evaluation_images=[image, image])
+    assert EvaluateChatHook(tiny_tokenizer, ["x", "y"], evaluation_images=image).evaluation_images == [image, image]
 
 
 # -- EvaluateChatHook: generation_kwargs and when it generates --------------------
@@ -157,7 +163,7 @@ def test_generates_once_per_iteration(tmp_path, tiny_tokenizer, monkeypatch, max
     hook = EvaluateChatHook(tiny_tokenizer, ["hi"], every_n_iters=4)
     generated = []
 
-    def answer(model, runner, text, iteration):
+    def answer(model, runner, text, iteration, image=None):
         generated.append(iteration)
         return {"iter": iteration, "input": text, "prompt": text, "output": ""}
 
@@ -179,7 +185,7 @@ def test_the_terminal_shows_the_answers_before_and_after_training_and_where_they
     monkeypatch.setattr(compat, "console_is_verbose", lambda: False)
     hook = EvaluateChatHook(tiny_tokenizer, ["Who are you?", "2+2?"])
     answers = iter(["I am a model.", "5", "I'm Quill,\n made by\tLarkspur Labs.", "4"])
-    monkeypatch.setattr(hook, "_answer", lambda model, runner, text, iteration: {
+    monkeypatch.setattr(hook, "_answer", lambda model, runner, text, iteration, image=None: {
         "iter": iteration, "input": text, "prompt": text, "output": next(answers)})
     runner = fake_runner(torch.nn.Linear(2, 2), tmp_path)
     hook.before_train(runner)

@@ -34,6 +34,7 @@ def test_a_vision_language_checkpoint_trains_on_text_and_keeps_its_vision_weight
     from transformers import AutoModelForImageTextToText
 
     from sfttool.engine.train import train
+    from sfttool.model.vision import part_parameters
     from sfttool.tools.merge import load_merged, merge_adapter
 
     config = vlm_config(tmp_path / "vl.py", qwen_vl_dir, tiny_sft_jsonl, lora)
@@ -41,8 +42,10 @@ def test_a_vision_language_checkpoint_trains_on_text_and_keeps_its_vision_weight
     summary = capsys.readouterr().out
     base = AutoModelForImageTextToText.from_pretrained(qwen_vl_dir)
     frozen = vision_state(base)
-    assert f"The vision tower and projector ({sum(p.numel() for p in frozen.values()) / 1e6:.2f} M) are frozen." \
-        in summary
+    sizes = {part: f"{sum(p.numel() for p in params.values()) / 1e6:.2f} M"
+             for part, params in part_parameters(base).items()}
+    assert (f"Vision tower ({sizes['vision tower']}): frozen; projector ({sizes['projector']}): frozen; "
+            f"language model ({sizes['language model']}): {'LoRA' if lora else 'full'}.") in summary
 
     if not lora:
         exported = AutoModelForImageTextToText.from_pretrained(out / "hf_model")

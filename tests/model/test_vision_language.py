@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sfttool import assets
-from sfttool.model.vision import language_model_class, vision_parameters
+from sfttool.model.vision import (language_model_class, part_parameters, trained_parts, vision_modules,
+                                  vision_parameters)
 from sfttool.registry import ConfigBuildError
 
 ATOL = 1e-5
@@ -20,13 +21,15 @@ def vlm_dirs(tmp_path_factory, tiny_tokenizer_dir):
             for arch in assets.VLM_ARCHS}
 
 
-def make_vlm(model_dir, **kwargs):
+def make_vlm(model_dir, quantization_config=None, **kwargs):
     from transformers import AutoModelForImageTextToText
 
     from sfttool.model import SupervisedFinetune
     torch.manual_seed(0)
     llm = dict(type=AutoModelForImageTextToText.from_pretrained, pretrained_model_name_or_path=str(model_dir),
                dtype="float32", attn_implementation="sdpa")
+    if quantization_config is not None:
+        llm["quantization_config"] = quantization_config
     return SupervisedFinetune(llm=llm, use_activation_checkpointing=False, **kwargs)
 
 
@@ -84,12 +87,85 @@ def test_lora_targets_the_language_model_only(vlm_dirs, arch):
 
 def test_training_the_vision_tower_of_a_text_model_or_with_lora_is_refused(vlm_dirs, tiny_qwen2_dir, make_sft):
     with pytest.raises(ConfigBuildError, match="model.freeze_vision_tower=False: Qwen2ForCausalLM has no vision "
-                                               "tower to train; remove the setting"):
+                                               "tower or projector to train or freeze; remove the setting"):
         make_sft(tiny_qwen2_dir, freeze_vision_tower=False)
-    with pytest.raises(ConfigBuildError, match="LoRA here trains the language model only"):
+    with pytest.raises(ConfigBuildError, match="model.freeze_llm=True: Qwen2ForCausalLM has no vision tower"):
+        make_sft(tiny_qwen2_dir, freeze_llm=True)
+    with pytest.raises(ConfigBuildError, match="model.freeze_vision_tower=False with model.lora: set "
+                                               "model.lora_vision_tower=True for LoRA on the vision tower"):
         make_vlm(vlm_dirs["llava"], lora=dict(r=4), freeze_vision_tower=False)
+    with pytest.raises(ConfigBuildError, match="model.lora_vision_tower=True needs model.lora"):
+        make_vlm(vlm_dirs["llava"], lora_vision_tower=True)
+    with pytest.raises(ConfigBuildError, match="model.freeze_llm=True with model.lora: LoRA would adapt nothing"):
+        make_vlm(vlm_dirs["llava"], lora=dict(r=4), freeze_llm=True)
+    with pytest.raises(ConfigBuildError, match="model.freeze_llm=True with the vision tower and projector frozen: "
+                                               "nothing trains"):
+        make_vlm(vlm_dirs["llava"], freeze_llm=True)
     full = make_vlm(vlm_dirs["llava"], freeze_vision_tower=False)  # full fine-tuning may train it
     assert full.frozen_vision_parameters == 0 and all(p.requires_grad for p in vision_parameters(full.llm).values())
+
+
+def test_the_parts_are_the_vision_tower_the_projector_and_the_language_model(vlm_dirs):
+    from transformers import AutoModelForImageTextToText
+    models = {arch: AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch]) for arch in ("qwen2_5_vl", "llava")}
+    assert vision_modules(models["qwen2_5_vl"]) == (["model.visual"], ["model.visual.merger"])
+    assert vision_modules(models["llava"]) == (["model.vision_tower"], ["model.multi_modal_projector"])
+    for model in models.values():
+        parts = part_parameters(model)
+        names = [set(p) for p in parts.values()]
+        assert all(names) and set.union(*names) == {n for n, _ in model.named_parameters()}
+        assert sum(map(len, names)) == len(set.union(*names))  # each parameter in exactly one part
+
+
+def sizes(model):
+    return {part: sum(p.numel() for p in params.values()) for part, params in part_parameters(model.llm).items()}
+
+
+@pytest.mark.parametrize("switches, want", [
+    (dict(), ("frozen", "frozen", "full")),
+    (dict(freeze_projector=False), ("frozen", "full", "full")),
+    (dict(freeze_vision_tower=False, freeze_projector=True), ("full", "frozen", "full")),
+    (dict(freeze_llm=True, freeze_projector=False), ("frozen", "full", "frozen")),  # LLaVA's pretraining stage
+    (dict(lora=dict(r=4)), ("frozen", "frozen", "LoRA")),
+    (dict(lora=dict(r=4), freeze_projector=False), ("frozen", "full", "LoRA")),
+    (dict(lora=dict(r=4), lora_vision_tower=True), ("LoRA", "frozen", "LoRA")),
+    (dict(lora=dict(r=4), lora_vision_tower=True, freeze_llm=True), ("LoRA", "frozen", "frozen")),
+], ids=["default", "projector", "tower", "projector-only", "lora", "lora+projector", "lora-both", "lora-tower"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_freeze_switches_and_lora_decide_what_trains(vlm_dirs, arch, switches, want):
+    model = make_vlm(vlm_dirs[arch], **switches)
+    parts = trained_parts(model.llm)
+    assert tuple(mode for mode, _ in parts.values()) == want
+    assert {part: size for part, (_, size) in parts.items()} == sizes(make_vlm(vlm_dirs[arch]))
+    for part, params in part_parameters(model.llm).items():
+        trained = {n for n, p in params.items() if p.requires_grad}
+        if parts[part][0] == "LoRA":  # adapters on every linear layer of the part, nothing else trains there
+            assert trained and all(".lora_" in n for n in trained)
+            adapted = {n.split(".lora_")[0] for n in trained}
+            linear = {n for n in params if n.endswith(".base_layer.weight")}
+            assert {n.removesuffix(".base_layer.weight") for n in linear} == adapted
+        elif parts[part][0] == "full":  # every weight of it (under LoRA: peft's trained copy of the projector)
+            assert trained and all(".original_module." not in n for n in trained)
+        else:
+            assert not trained
+
+
+def test_qlora_quantizes_the_language_model_only(vlm_dirs):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    quant = dict(type=BitsAndBytesConfig, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                 bnb_4bit_compute_dtype="torch.float32")
+    model = make_vlm(vlm_dirs["qwen2_5_vl"], lora=dict(r=4, lora_alpha=8, lora_dropout=0.0),
+                     quantization_config=quant)
+    quantized = {n for n, m in model.llm.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    from transformers import AutoModelForImageTextToText
+    plain = AutoModelForImageTextToText.from_pretrained(vlm_dirs["qwen2_5_vl"]).get_decoder()
+    linear = {n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(quantized) == len(linear) > 0 and all(".language_model.layers." in n for n in quantized)
+    assert not any(isinstance(p, bnb.nn.Params4bit) for p in vision_parameters(model.llm).values())
+    assert type(model.llm.get_base_model().get_output_embeddings()) is torch.nn.Linear
+    assert tuple(mode for mode, _ in trained_parts(model.llm).values()) == ("frozen", "frozen", "LoRA")
 
 
 def test_the_auto_class_follows_the_checkpoint(vlm_dirs, tiny_qwen2_dir, tmp_path):

@@ -39,6 +39,19 @@ def cumulative_lengths(instance: dict[str, Any], length: int) -> torch.Tensor:
     return torch.cumsum(torch.tensor([0] + sizes, dtype=torch.int32), 0, dtype=torch.int32)
 
 
+def image_inputs(instances: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rows' pixels as the processor returns them for all the batch's images, in row order then token
+    order: ``pixel_values`` (Qwen-style: [patches, C*T*P*P]; LLaVA-style: [images, C, H, W]) and, where the
+    processor gives it, ``image_grid_thw`` ([images, 3]). Nothing for a batch without images."""
+    rows = [inst for inst in instances if inst.get("pixel_values") is not None]
+    if not rows:
+        return {}
+    out = {"pixel_values": torch.cat([torch.as_tensor(inst["pixel_values"]) for inst in rows])}
+    if any(inst.get("image_grid_thw") is not None for inst in rows):
+        out["image_grid_thw"] = torch.cat([torch.as_tensor(inst["image_grid_thw"]) for inst in rows])
+    return out
+
+
 def default_collate_fn(instances: Sequence[dict[str, Any]], pad_index: int = DEFAULT_PAD_TOKEN_INDEX,
                        return_hf_format: bool = False, use_varlen_attn: bool = False) -> dict[str, Any]:
     """Rows -> ``{'data': {input_ids, labels, position_ids}, 'data_samples': None}``.
@@ -47,6 +60,7 @@ def default_collate_fn(instances: Sequence[dict[str, Any]], pad_index: int = DEF
     ...                     {'input_ids': [7], 'labels': [7]}])['data']['position_ids'].tolist()
     [[0, 1], [0, 0]]
 
+    Rows with images add ``pixel_values`` (and ``image_grid_thw``), see ``image_inputs``.
     With ``use_varlen_attn`` the dict also holds ``cumulative_len`` (one int32
     tensor per row, padding counted as a sequence) and ``max_seqlen``.
     """
@@ -57,6 +71,7 @@ def default_collate_fn(instances: Sequence[dict[str, Any]], pad_index: int = DEF
         "labels": torch.tensor([r[1] for r in rows], dtype=torch.long),        # [batch, seq]
         "position_ids": torch.tensor([r[2] for r in rows], dtype=torch.long),  # [batch, seq]
     }
+    data.update(image_inputs(instances))
     if use_varlen_attn:
         cumulative = [cumulative_lengths(inst, length) for inst in instances]
         data["cumulative_len"] = cumulative

@@ -13,6 +13,7 @@ from .crime_kg_assitant_map_fn import crime_kg_assitant_map_fn
 from .default_map_fn import default_map_fn
 from .errors import MapFnError
 from .law_reference_map_fn import law_reference_map_fn
+from .llava_map_fn import llava_map_fn
 from .medical_map_fn import medical_map_fn
 from .msagent_map_fn import msagent_map_fn
 from .oasst1_map_fn import oasst1_map_fn
@@ -32,7 +33,8 @@ from .wizardlm_map_fn import wizardlm_map_fn
 __all__ = [
     "MapFnError", "render_input", "template_map_fn", "template_map_fn_factory",
     "alpaca_map_fn", "alpaca_zh_map_fn", "arxiv_map_fn", "code_alpaca_map_fn", "colors_map_fn",
-    "crime_kg_assitant_map_fn", "default_map_fn", "law_reference_map_fn", "medical_map_fn", "msagent_map_fn",
+    "crime_kg_assitant_map_fn", "default_map_fn", "law_reference_map_fn", "llava_map_fn", "medical_map_fn",
+    "msagent_map_fn",
     "oasst1_map_fn", "openai_map_fn", "openorca_map_fn", "pretrain_map_fn", "sharegpt_map_fn", "sql_map_fn",
     "stack_exchange_map_fn", "tiny_codes_map_fn", "wizardlm_map_fn",
     "intel_orca_dpo_map_fn", "orpo_dpo_mix_40k_map_fn", "preference_strings_map_fn", "ultrafeedback_binarized_map_fn",

@@ -8,7 +8,7 @@ from typing import Any
 from sfttool.registry import MAP_FUNC
 
 from sfttool.dataset.chat_messages import MessageError, drop_nulls, is_structured, tool_turns
-from sfttool.dataset.conversation import turns_from_messages
+from sfttool.dataset.conversation import content_text, is_content_parts, turns_from_messages
 
 from ._fields import list_field, text_field
 from .errors import MapFnError
@@ -42,9 +42,10 @@ def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
     ``notes`` (a list) collects what the conversion changed.
 
     Rows with tool calls, ``tool`` messages, ``reasoning_content`` or ``tools`` become turns that
-    carry their chat messages (``chat_messages.tool_turns``) for the chat template.
+    carry their chat messages (``chat_messages.tool_turns``) for the chat template. Content given as
+    parts is joined into text when it is all text; with images it stays parts (docs/multimodal.md).
     """
-    messages = list_field(example, "messages", "openai_map_fn")
+    messages = [text_parts_joined(m) for m in list_field(example, "messages", "openai_map_fn")]
     tools = row_tools_field(example, "openai_map_fn")
     if is_structured(messages, tools):
         try:
@@ -67,6 +68,19 @@ def openai_map_fn(example: dict, notes: list[str] | None = None) -> dict:
         answered = answered or (role == "assistant" and any(r == "user" for r, _, _ in tagged))
         tagged.append((role, content, _with_loss(message) if role == "assistant" else True))
     return {"conversation": turns_from_messages(tagged, notes, loss_flags=True)}
+
+
+def text_parts_joined(message: dict) -> dict:
+    """A message whose content parts are all text, with that text as its content (any template renders a
+    string); content with an image part stays parts (the image stage binds them, ``image_rows``).
+
+    >>> text_parts_joined({'role': 'user', 'content': [{'type': 'text', 'text': 'Hi'}, {'type': 'text', 'text': '!'}]})
+    {'role': 'user', 'content': 'Hi!'}
+    """
+    content = message.get("content")
+    if is_content_parts(content) and all(part.get("type") == "text" for part in content):
+        return {**message, "content": content_text(content)}
+    return message
 
 
 def row_tools_field(example: dict, fn: str) -> list[dict]:

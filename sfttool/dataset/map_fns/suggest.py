@@ -26,6 +26,8 @@ def fitting_map_fn(row: Any) -> str | None:
         return "dataset_map_fn=None"
     for field in ("messages", "conversations"):
         keys = _message_keys(row.get(field))
+        if {"from", "value"} <= keys and row.get("image") is not None:
+            return "llava_map_fn"
         if {"from", "value"} <= keys:
             return "sharegpt_map_fn"
         if field == "messages" and {"role", "content"} <= keys:

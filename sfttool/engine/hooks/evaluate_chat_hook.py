@@ -8,6 +8,10 @@ the stop words ``sfttool chat`` uses (``sfttool.utils.stop_words``), logged, and
 
     {"iter": 10, "input": "Hi?", "prompt": "<|im_start|>user\\nHi?...", "output": "Hello."}
 
+With ``evaluation_images`` (a vision-language model) each input goes with its image, rendered by the
+model's processor as ``sfttool chat --image`` renders it (``sfttool.tools.image_chat``); the record
+names the image.
+
 Every rank generates (ZeRO-3 needs all ranks in each forward); rank 0 writes. At the end the
 terminal shows each input's answers before and after training and where the files are:
 
@@ -26,8 +30,11 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 
 from sfttool import compat
+from sfttool.dataset.images_stage import build_processor
 from sfttool.engine.runner import DRY_RUN_INFO, unwrap_model
+from sfttool.model.hf_folder import config_processor
 from sfttool.registry import BUILDER, build_if_config
+from sfttool.tools.image_chat import image_messages, prompt_inputs
 from sfttool.utils.stop_words import cut_at_stop_words, stop_words_for
 
 
@@ -45,11 +52,15 @@ class EvaluateChatHook(Hook):
 
     def __init__(self, tokenizer, evaluation_inputs, evaluation_images=None, image_processor=None, system="",
                  prompt_template=None, every_n_iters=None, max_new_tokens=600, stop_word=None, stop_words=[],
-                 generation_kwargs={}):
-        if evaluation_images is not None:
-            raise ValueError("EvaluateChatHook: evaluation_images is not supported (text-only models)")
+                 generation_kwargs={}, processor=None):
         self.tokenizer = build_if_config(tokenizer, "EvaluateChatHook.tokenizer")
         self.evaluation_inputs = [evaluation_inputs] if isinstance(evaluation_inputs, str) else list(evaluation_inputs)
+        self.evaluation_images = evaluation_image_list(evaluation_images, len(self.evaluation_inputs))
+        # The model's processor renders image prompts: ``processor`` or ``image_processor`` when it is a whole
+        # processor (XTuner passes a CLIP image processor there, which cannot render a prompt), else the one the
+        # training data was encoded with (found at the first generation).
+        self.processor = next((p for p in (build_processor(processor), image_processor)
+                               if hasattr(p, "apply_chat_template")), None)
         self.system = system or ""
         self.prompt_template = prompt_template
         self.every_n_iters = every_n_iters
@@ -103,7 +114,8 @@ class EvaluateChatHook(Hook):
         was_training = model.training
         model.eval()
         try:
-            records = [self._answer(model, runner, text, iteration) for text in self.evaluation_inputs]
+            records = [self._answer(model, runner, text, iteration, image)
+                       for text, image in zip(self.evaluation_inputs, self.evaluation_images)]
         finally:
             model.train(was_training)
         self._generated_at, self._last = iteration, records
@@ -111,18 +123,31 @@ class EvaluateChatHook(Hook):
             self._write(runner, iteration, records)
         return records
 
-    def _answer(self, model, runner, text: str, iteration: int) -> dict:
+    def _answer(self, model, runner, text: str, iteration: int, image: str | None = None) -> dict:
         import torch
 
-        ids = self.prompt_ids(text)
         device = next(model.parameters()).device
-        input_ids = torch.tensor([ids], device=device)  # [1, prompt_len]
+        if image is not None:  # rendered by the processor, as training encoded image rows
+            inputs = prompt_inputs(self._processor(runner), image_messages([], text, [image], self.system), device)
+        else:
+            input_ids = torch.tensor([self.prompt_ids(text)], device=device)  # [1, prompt_len]
+            inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+        ids = inputs["input_ids"][0].tolist()
         kwargs = {"synced_gpus": _zero3(runner.model), **self.generation_kwargs}
         with torch.no_grad():
-            out = model.llm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+            out = model.llm.generate(**inputs, **kwargs)
         answer = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
-        return {"iter": iteration, "input": text, "prompt": self.tokenizer.decode(ids),
-                "output": cut_at_stop_words(answer, self.stop_words)}
+        record = {"iter": iteration, "input": text, "prompt": self.tokenizer.decode(ids),
+                  "output": cut_at_stop_words(answer, self.stop_words)}
+        return record if image is None else {**record, "image": image}
+
+    def _processor(self, runner):
+        if self.processor is None:
+            self.processor = config_processor(runner.cfg)
+        if self.processor is None:
+            raise ValueError("EvaluateChatHook: evaluation_images need the model's processor: set processor=... "
+                             "(AutoProcessor.from_pretrained of the model), or train with a dataset's processor=...")
+        return self.processor
 
     def _write(self, runner, iteration: int, records: list[dict]) -> None:
         from sfttool.engine.tracking import add_text
@@ -136,6 +161,24 @@ class EvaluateChatHook(Hook):
             runner.logger.info(f"Sample output (iter {iteration}):\n{record['prompt']}{record['output']}\n")
         samples = "\n\n".join(record["prompt"] + record["output"] for record in records)
         add_text(getattr(runner, "visualizer", None), "samples", samples, iteration)  # to every tracker
+
+
+def evaluation_image_list(images: Any, n_inputs: int) -> list[str | None]:
+    """XTuner's ``evaluation_images``: one image for every input, or one per input -> a list of
+    ``n_inputs`` (None: no image)."""
+    if images is None:
+        return [None] * n_inputs
+    images = [images] if isinstance(images, (str, os.PathLike)) else list(images)
+    if len(images) == 1:
+        images = images * n_inputs
+    if len(images) != n_inputs:
+        raise ValueError(f"EvaluateChatHook: {len(images)} evaluation_images for {n_inputs} evaluation_inputs; "
+                         "give one image for all of them or one per input")
+    missing = [str(image) for image in images
+               if not str(image).startswith(("http://", "https://")) and not os.path.isfile(image)]
+    if missing:
+        raise ValueError(f"EvaluateChatHook: evaluation_images: {missing[0]} does not exist")
+    return [str(image) for image in images]
 
 
 SHOWN_CHARACTERS = 200  # of each answer on the terminal; the files hold all of it

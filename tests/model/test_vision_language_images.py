@@ -1,0 +1,171 @@
+"""Vision-language checkpoints trained on image-text rows: the batch's pixels (and Qwen2-VL's grids) reach
+the model, a packed row of samples with images trains like its samples run one by one through the
+checkpoint's own forward (its own 3-D rotary positions), loss and gradients, on the chunked and the
+unchunked loss. Samples come from the tiny processors themselves (``apply_chat_template``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfttool import assets
+from sfttool.model.vision import multimodal_position_ids
+
+ATOL = 1e-5
+ARCHS = ("qwen2_5_vl", "llava")
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tiny_tokenizer_dir):
+    """Per architecture: the checkpoint folder and three processed samples (1 image, none, 2 images)."""
+    from transformers import AutoProcessor
+
+    root = tmp_path_factory.mktemp("vlm_images")
+    images = [str(assets.write_png(root / f"{i}.png", w, h, seed=i))
+              for i, (w, h) in enumerate([(40, 60), (90, 30), (56, 56)])]
+    out = {}
+    for arch in ARCHS:
+        folder = assets.build_tiny_vlm(root / arch, tiny_tokenizer_dir, arch)
+        processor = AutoProcessor.from_pretrained(folder)
+        out[arch] = (folder, [encode(processor, conversation) for conversation in conversations(images)])
+    return out
+
+
+def conversations(images):
+    def user(text, *paths):
+        return {"role": "user", "content": [*({"type": "image", "image": p} for p in paths),
+                                            {"type": "text", "text": text}]}
+
+    def answer(text):
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+    return [[user("what is in the picture", images[0]), answer("a small square of noise")],
+            [user("say hello"), answer("hello there")],
+            [user("compare these two", images[1], images[2]), answer("the first is wider"),
+             user("and the colours?"), answer("random")]]
+
+
+def encode(processor, conversation) -> dict:
+    """The processor's own encoding; the last 6 tokens trained (image tokens never are)."""
+    batch = processor.apply_chat_template(conversation, tokenize=True, return_dict=True, return_tensors="pt")
+    ids = batch["input_ids"][0].tolist()
+    sample = {"input_ids": ids, "labels": [-100] * (len(ids) - 6) + ids[-6:]}
+    sample.update({k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch})
+    return sample
+
+
+def collate(samples: list[dict]) -> dict:
+    """Samples -> one packed row: positions restart at each sample, image tensors in sample order."""
+    batch = {"input_ids": [], "labels": [], "position_ids": []}
+    for s in samples:
+        batch["input_ids"] += s["input_ids"]
+        batch["labels"] += s["labels"]
+        batch["position_ids"] += list(range(len(s["input_ids"])))
+    batch = {k: torch.tensor([v]) for k, v in batch.items()}
+    for key in ("pixel_values", "image_grid_thw"):
+        parts = [s[key] for s in samples if key in s]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch
+
+
+def make_vlm(folder, **kwargs):
+    from transformers import AutoModelForImageTextToText
+
+    from sfttool.model import SupervisedFinetune
+    torch.manual_seed(0)
+    llm = dict(type=AutoModelForImageTextToText.from_pretrained, pretrained_model_name_or_path=str(folder),
+               dtype="float32", attn_implementation="sdpa")
+    model = SupervisedFinetune(llm=llm, use_activation_checkpointing=False, **kwargs)
+    with torch.no_grad():  # sharper attention than the random init's near-uniform one: positions matter
+        for name, param in model.llm.named_parameters():
+            if ".language_model." in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(10)
+    return model
+
+
+def own_loss(model, samples) -> torch.Tensor:
+    """The checkpoint's own forward on each sample alone (it computes its own positions), token-weighted."""
+    total, count = 0.0, 0
+    for s in samples:
+        data = collate([s])
+        images = {k: v for k, v in data.items() if k in ("pixel_values", "image_grid_thw")}
+        if "image_grid_thw" in images:  # Qwen2-VL computes 3-D positions from the token types
+            images["mm_token_type_ids"] = (data["input_ids"] == model.llm.config.image_token_id).long()
+        units = int((data["labels"][:, 1:] != -100).sum())
+        with torch.no_grad():
+            total += model.llm(input_ids=data["input_ids"], labels=data["labels"], **images).loss * units
+        count += units
+    return total / count
+
+
+def sfttool_grads(model, batches) -> tuple[torch.Tensor, dict]:
+    """sfttool's loss over ``batches`` (token-weighted) and the gradients it gives."""
+    model.zero_grad()
+    total, count = 0.0, 0
+    for data in batches:
+        units = model.count_loss_units(data)
+        total = total + model(data, mode="loss")["loss"] * units
+        count += units
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("loss_implementation", ["chunked", "unchunked"])
+def test_a_packed_row_with_images_trains_like_its_samples(vlm, arch, loss_implementation):
+    """The vision tower trains too here, so its gradients show each sample's pixels stayed with it."""
+    folder, samples = vlm[arch]
+    model = make_vlm(folder, freeze_vision_tower=False, loss_implementation=loss_implementation)
+    want = own_loss(model, samples)
+    one_by_one, want_grads = sfttool_grads(model, [collate([s]) for s in samples])
+    packed, grads = sfttool_grads(model, [collate(samples)])
+    assert torch.allclose(one_by_one, want, atol=ATOL) and torch.allclose(packed, want, atol=ATOL)
+    # (a batch without images gives the trained vision parameters zero gradients, where a packed one may have
+    # none for those its images do not use, such as LLaVA's last vision layer)
+    assert want_grads.keys() >= grads.keys() and all(not want_grads[n].any() for n in want_grads.keys() - grads.keys())
+    assert any((".visual." in n or ".vision_tower." in n) and grads[n].any() for n in grads)  # the tower learns
+    assert all(torch.allclose(grads[n], want_grads[n], atol=ATOL) for n in grads)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_validation_sums_the_losses_of_packed_rows_with_images(vlm, arch):
+    """What validation adds up per row (``summed_row_losses``): the token mean of the checkpoint's own loss."""
+    folder, samples = vlm[arch]
+    model = make_vlm(folder)
+    with torch.no_grad():
+        sums, counts = model.summed_row_losses(collate(samples))
+    assert torch.allclose((sums.sum() / counts.sum()).float(), own_loss(model, samples), atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_pixels_reach_the_model(vlm, arch):
+    folder, samples = vlm[arch]
+    model = make_vlm(folder)
+    data = collate(samples)
+    with torch.no_grad():
+        loss = model(data, mode="loss")["loss"]
+        other = model(dict(data, pixel_values=data["pixel_values"].flip(0)), mode="loss")["loss"]
+    assert not torch.allclose(loss, other)
+
+
+def test_packed_3d_positions_are_each_samples_own(vlm):
+    """Row 0 keeps the text positions (they mark the samples); rows 1-3 are get_rope_index of each sample."""
+    folder, samples = vlm["qwen2_5_vl"]
+    model = make_vlm(folder)
+    data = collate(samples)
+    got = multimodal_position_ids(model.llm, data["input_ids"], data["position_ids"], data["image_grid_thw"])
+    assert torch.equal(got[0], data["position_ids"])
+    want = []
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]])
+        if "image_grid_thw" in s:
+            types = (ids == model.llm.config.image_token_id).long()
+            want.append(model.llm.model.get_rope_index(ids, mm_token_type_ids=types,
+                                                       image_grid_thw=s["image_grid_thw"])[0])
+        else:
+            want.append(torch.arange(ids.shape[1]).expand(3, 1, -1))
+    assert torch.equal(got[1:], torch.cat(want, dim=2))
+    assert not torch.equal(got[1], got[2])  # height and width differ around the images
+    with pytest.raises(ValueError, match="image_grid_thw does not match the image tokens"):
+        multimodal_position_ids(model.llm, data["input_ids"], data["position_ids"], data["image_grid_thw"][[1, 0, 2]])
