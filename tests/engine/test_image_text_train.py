@@ -8,6 +8,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from engine_helpers import RUNTIME
+
 from sfttool import assets
 
 pytestmark = pytest.mark.timeout(900)
@@ -63,18 +65,8 @@ optim_wrapper = dict(
 param_scheduler = []
 train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 
-custom_hooks = {custom_hooks}
-default_hooks = dict(
-    timer=dict(type=IterTimerHook),
-    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=1),
-    param_scheduler=dict(type=ParamSchedulerHook),
-    sampler_seed=dict(type=DistSamplerSeedHook),
-    checkpoint=dict(type=CheckpointHook, by_epoch=False, interval=4, max_keep_ckpts=2))
-env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
-               dist_cfg=dict(backend='nccl'))
-log_processor = dict(by_epoch=False)
-randomness = dict(seed=seed, deterministic=False)
 '''
+IMAGE_CONFIG += RUNTIME
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +92,7 @@ def image_data(tmp_path_factory, tiny_tokenizer_dir):
 def image_config(path, data, batch_size=1, dropout=0.0, custom_hooks="[]"):
     path.write_text(IMAGE_CONFIG.format(model_dir=str(data["model_dir"]), data_file=str(data["data_file"]),
                                         image_folder=str(data["image_folder"]), batch_size=batch_size,
-                                        dropout=dropout, custom_hooks=custom_hooks))
+                                        dropout=dropout, custom_hooks=custom_hooks, save_steps=4, keep=2))
     return path
 
 
