@@ -613,12 +613,14 @@ def processors_without_torchvision() -> None:
     ``_extra_content``), images or not. Training on images needs only the image processor (its PIL
     backend), and PyPI's torchvision does not install beside every torch build, so without torchvision
     the video processor is an empty stand-in: videos are refused, images work as with torchvision."""
-    import importlib.util
-
     if importlib.util.find_spec("torchvision") is not None or not _once("processors_without_torchvision"):
         return
-    from transformers import processing_utils
+    # on import only: transformers.processing_utils pulls in torch and the modelling code (seconds), which
+    # config loading and the light commands should not pay for
+    _AFTER_IMPORT.after_import("transformers.processing_utils", _patch_processors_without_video)
 
+
+def _patch_processors_without_video(processing_utils: ModuleType) -> None:
     mixin = processing_utils.ProcessorMixin
     init, check = mixin.__init__, mixin.check_argument_for_proper_class
 

@@ -27,19 +27,18 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
+from sfttool.dataset.errors import ROW_COLUMN, DatasetError
 from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN
 from sfttool.dataset.pack import pack_stream
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset.resolve import source_name
+from sfttool.dataset.settings import LAZY_SETTINGS, check_lazy_settings
 from sfttool.dataset.streaming import StreamingPackedDataset, _reader
 
 # Rows encoded when the dataset is built, to estimate the packed rows of an epoch (``rows_per_epoch``).
 ESTIMATE_ROWS = 1000
 
 # process_hf_dataset's arguments that only lazy encoding reads, with their defaults there.
-LAZY_SETTINGS = dict(buffer_size=1000, encode_chunk=64, rows_per_epoch=None)
-
 # process_hf_dataset's pipeline arguments lazy encoding knows (reads, refuses or ignores); another one set is
 # refused rather than ignored.
 PIPELINE_ARGS = ("dataset", "tokenizer", "max_length", "dataset_map_fn", "template_map_fn", "max_dataset_length",
@@ -80,36 +79,6 @@ def refuse_image_rows(rows: Any, source: str | None) -> None:
     if columns:
         raise DatasetError(f"{source or 'dataset'}: rows with images (a {' and '.join(repr(c) for c in columns)} "
                            "column) are not encoded lazily; remove lazy_encode")
-
-
-def check_lazy_settings(lazy_encode: bool, given: dict[str, int | None], rename_maps: Any,
-                        do_dataset_tokenization: bool, pack_strategy: str) -> None:
-    """``lazy_encode`` and its settings (``given``: ``LAZY_SETTINGS``' names, None where unset) against
-    process_hf_dataset's other arguments; run again by ``sfttool train``'s checks before anything is built."""
-    if not lazy_encode:
-        named = [name for name, value in given.items() if value is not None]
-        if named:
-            raise DatasetError(f"{', '.join(named)} only applies with lazy_encode=True (rows encoded as the loader "
-                               "reads them); set lazy_encode=True, or remove it")
-        return
-    for name, value in given.items():
-        if value is not None:
-            check_positive_int(value, name)
-    refuse_changed_rows(rename_maps, do_dataset_tokenization, pack_strategy)
-
-
-def refuse_changed_rows(rename_maps: Any, do_dataset_tokenization: bool, pack_strategy: str) -> None:
-    """process_hf_dataset's arguments lazy encoding cannot honour: ignoring them would change the rows."""
-    if rename_maps:
-        raise DatasetError("rename_maps is not available with lazy_encode=True; rename the fields in a "
-                           "dataset_map_fn")
-    if not do_dataset_tokenization:
-        raise DatasetError("do_dataset_tokenization=False (pre-tokenized rows) leaves nothing to encode lazily; "
-                           "remove lazy_encode")
-    if pack_strategy != "bfd":
-        raise DatasetError(f"pack_strategy={pack_strategy!r} is not available with lazy_encode=True: rows are "
-                           "packed best-fit-decreasing within a buffer (buffer_size) and no sample is split; "
-                           "remove pack_strategy")
 
 
 def warn_ignored(map_num_proc: int | None, cache_dir: str | None) -> None:

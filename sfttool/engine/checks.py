@@ -34,7 +34,7 @@ from sfttool.config import ConfigError, validate_config
 from sfttool.config.arguments import typed_nodes
 from sfttool.config.settings import setting
 from sfttool.dataset.data_sources import process_data_sources
-from sfttool.dataset.lazy import LAZY_SETTINGS, check_lazy_settings
+from sfttool.dataset.settings import LAZY_SETTINGS, check_lazy_settings
 from sfttool.dataset.pipeline import check_settings as check_pipeline_settings
 from sfttool.dataset.pipeline import process_hf_dataset
 from sfttool.dataset.prompts import validation_problems as prompt_validation_problems

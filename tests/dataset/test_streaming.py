@@ -585,7 +585,8 @@ def test_arguments_without_a_streaming_meaning_are_ignored_with_one_warning(conv
      "rename_maps is not available when streaming; rename the fields in a dataset_map_fn"),
     (dict(do_dataset_tokenization=False), "do_dataset_tokenization=False (pre-tokenized rows) is not available "
                                           "when streaming; use process_hf_dataset or sfttool process-dataset"),
-    (dict(with_image_token=True), "with_image_token (multimodal data) is not supported"),
+    (dict(with_image_token=True), "with_image_token (XTuner's LLaVA encoding) is not supported: image rows go "
+                                  "through the model's processor here; set processor=... instead (docs/multimodal.md)"),
     (dict(use_varlen_attn=True, pack_to_max_length=False),
      "use_varlen_attn=True needs pack_to_max_length=True (as in XTuner)"),
     (dict(rows_per_epoch=0),

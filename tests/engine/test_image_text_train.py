@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from engine_helpers import RUNTIME
+from engine_helpers import RUNTIME, two_ranks
 
 from sfttool import assets
 
@@ -167,10 +167,12 @@ def test_a_resumed_image_text_run_ends_bit_identical(tmp_path, image_data):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path, image_data):
-    """2 processes (DDP) x micro-batch 1 = 1 process x micro-batch 2 (the same rows per step, dropout off): the
-    pixels of each rank's rows go with them, the loss normaliser spans the ranks, and a rank whose batch has
-    no image still reduces the projector's gradients (else the ranks' gradient buckets disagree)."""
+@pytest.mark.parametrize("deepspeed", [None, "zero2"])
+def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path, image_data, deepspeed):
+    """2 processes (DDP, or DeepSpeed ZeRO-2) x micro-batch 1 = 1 process x micro-batch 2 (the same rows per
+    step, dropout off): the pixels of each rank's rows go with them, the loss normaliser spans the ranks, and a
+    rank whose batch has no image still reduces the projector's gradients (else the ranks' gradient buckets
+    disagree)."""
     from safetensors.torch import load_file
     from test_distributed import run_sfttool
 
@@ -178,7 +180,7 @@ def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path
 
     two = image_config(tmp_path / "two.py", image_data, batch_size=1)
     one = image_config(tmp_path / "one.py", image_data, batch_size=2)
-    result = run_sfttool([str(two), "--work-dir", str(tmp_path / "two"), "--nproc-per-node", "2"])
+    result = run_sfttool([str(two), "--work-dir", str(tmp_path / "two"), *two_ranks(deepspeed)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     single = train(str(one), work_dir=str(tmp_path / "one"))
     a = load_file(tmp_path / "two" / "hf_adapter" / "adapter_model.safetensors")

@@ -160,8 +160,9 @@ def test_the_loss_is_the_papers_formula(tiny_llama_dir, policy_dir):
     assert shown["kl"] == pytest.approx(z, abs=1e-5)
     desirable = [BETA * r[i] for i in range(5) if labels[i]]
     undesirable = [BETA * r[i] for i in range(5) if not labels[i]]
-    assert shown["rewards/chosen"] == pytest.approx(sum(desirable) / len(desirable), abs=2e-6)
-    assert shown["rewards/rejected"] == pytest.approx(sum(undesirable) / len(undesirable), abs=2e-6)
+    # float32 log-prob sums, whose rounding depends on the CPU's kernels (AVX-512 or not): 1e-5, as for kl
+    assert shown["rewards/chosen"] == pytest.approx(sum(desirable) / len(desirable), abs=1e-5)
+    assert shown["rewards/rejected"] == pytest.approx(sum(undesirable) / len(undesirable), abs=1e-5)
 
 
 def test_step_0_costs_half_the_weights_and_the_kl_baseline_is_0(tiny_llama_dir):
