@@ -16,6 +16,7 @@ packed sample gets its own multimodal positions (``sfttool.model.vision``).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -325,14 +326,14 @@ class SupervisedFinetune(BaseModel):
         if split is not None:
             return self._sequence_parallel_loss(data, targets, keep, position_ids, split)
         parts = self._lm_parts()
-        with moe.recorded_router_logits(self.llm, enabled=bool(self.router_aux_loss_coef)) as router_logits:
+        with self._untouched_vision_zero(data), \
+                moe.recorded_router_logits(self.llm, enabled=bool(self.router_aux_loss_coef)) as router_logits:
             if parts is None:
                 total = self._unchunked_loss(data, targets, keep, position_ids)
             else:
                 hidden = self._hidden_states(parts.decoder, data)[keep]  # [n, hidden]
                 weights = L.token_weights(position_ids, keep, self.loss_reduction)  # [n] or None
                 total = self._head_loss(parts, hidden, targets[keep], weights)
-        total = total + self._untouched_vision_zero(data)
         units = self._loss_units(keep, position_ids)
         if not router_logits:
             return {"loss": self.normalize(total, data), **step_metrics(loss=(total, units))}
@@ -343,14 +344,29 @@ class SupervisedFinetune(BaseModel):
         return {"loss": self.normalize(objective, data),
                 **step_metrics(loss=(total, units), aux_loss=(aux * units, units))}
 
-    def _untouched_vision_zero(self, data: dict) -> torch.Tensor | int:
-        """0 for a batch with images; for one without, a zero that depends on the trained vision tower and
-        projector parameters. Every process's backward then reaches the same parameters: DDP and ZeRO
-        reduce gradients in buckets, and a process whose batch had no image would leave its buckets
-        waiting (the others' hold the images' gradients). Their gradient from this batch stays 0."""
+    @contextlib.contextmanager
+    def _untouched_vision_zero(self, data: dict):
+        """Nothing for a batch with images; for one without, the forward adds a zero that depends on the
+        trained vision tower and projector parameters to the input embeddings, where the image features
+        would go in. Every process's backward then reaches the same parameters, in the same order: DDP and
+        ZeRO reduce gradients in buckets, and a process whose batch had no image would leave its buckets
+        waiting (the others' hold the images' gradients); ZeRO-1/2 also lay a bucket out in the order its
+        gradients arrive, so a zero reaching the projector first (added to the loss) instead of last (where
+        the images' gradients arrive) would sum one process's projector gradients with another's LoRA ones.
+        Their gradient from this batch stays 0."""
         if not self._trained_vision or image_inputs(data):
-            return 0
-        return sum(p.sum() for p in self._trained_vision) * 0.0
+            yield
+            return
+        zero = sum(p.sum() for p in self._trained_vision) * 0.0
+
+        def add_zero(module, args, output):
+            return output + zero.to(output.dtype)
+
+        handle = self.llm.get_input_embeddings().register_forward_hook(add_zero)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _sequence_parallel_loss(self, data, targets, keep, position_ids, split) -> dict:
         """The loss of this rank's slice. Targets and sample weights come from the whole rows (a slice's

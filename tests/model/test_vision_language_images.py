@@ -169,3 +169,28 @@ def test_packed_3d_positions_are_each_samples_own(vlm):
     assert not torch.equal(got[1], got[2])  # height and width differ around the images
     with pytest.raises(ValueError, match="image_grid_thw does not match the image tokens"):
         multimodal_position_ids(model.llm, data["input_ids"], data["position_ids"], data["image_grid_thw"][[1, 0, 2]])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_without_images_reaches_the_projector_where_images_would(vlm, arch):
+    """LoRA with the projector trained whole: a batch without images reaches the projector (zero gradients) at
+    the point of the backward where an image's gradients arrive, so every parameter's gradient arrives in the
+    same order either way (ZeRO-1/2 lay a process's gradient buckets out in arrival order)."""
+    from peft import LoraConfig
+
+    folder, samples = vlm[arch]
+    model = make_vlm(folder, lora=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"), freeze_projector=False)
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+
+    def arrival_order(sample) -> list[str]:
+        order = []
+        handles = [p.register_post_accumulate_grad_hook(lambda p: order.append(names[p])) for p in names]
+        model.zero_grad()
+        model(collate([sample]), mode="loss")["loss"].backward()
+        for handle in handles:
+            handle.remove()
+        return order
+
+    with_image, without = arrival_order(samples[0]), arrival_order(samples[1])
+    assert "pixel_values" not in collate([samples[1]]) and len(without) == len(names)
+    assert without == with_image and any(".merger." in n or ".multi_modal_projector." in n for n in without)
