@@ -36,7 +36,8 @@ from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder, vision_language_targets
 from sfttool.model.vision import (check_vision_settings, freeze_parts, image_inputs, is_vision_language,
-                                  multimodal_position_ids, uses_multimodal_rope, vision_parameters)
+                                  multimodal_position_ids, placeholder_image_zero, uses_multimodal_rope,
+                                  vision_parameters)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -128,7 +129,7 @@ class SupervisedFinetune(BaseModel):
         if peft_model is not None:
             self.load_peft_model(peft_model)
         # trained vision tower or projector parameters (each batch without images must still reach them)
-        self._trained_vision = [p for p in vision_parameters(self.llm).values() if p.requires_grad]
+        self._trains_vision = any(p.requires_grad for p in vision_parameters(self.llm).values())
         parts, why = split_lm(self.llm)
         if parts is None and loss_implementation != "unchunked":
             logger.warning("model.loss_implementation=%r: %s, so the loss computes all trained positions' "
@@ -346,18 +347,19 @@ class SupervisedFinetune(BaseModel):
 
     @contextlib.contextmanager
     def _untouched_vision_zero(self, data: dict):
-        """Nothing for a batch with images; for one without, the forward adds a zero that depends on the
-        trained vision tower and projector parameters to the input embeddings, where the image features
-        would go in. Every process's backward then reaches the same parameters, in the same order: DDP and
-        ZeRO reduce gradients in buckets, and a process whose batch had no image would leave its buckets
-        waiting (the others' hold the images' gradients); ZeRO-1/2 also lay a bucket out in the order its
-        gradients arrive, so a zero reaching the projector first (added to the loss) instead of last (where
-        the images' gradients arrive) would sum one process's projector gradients with another's LoRA ones.
-        Their gradient from this batch stays 0."""
-        if not self._trained_vision or image_inputs(data):
+        """Nothing for a batch with images; for one without, the forward runs the vision tower and projector
+        on a placeholder image and adds 0 times its features to the input embeddings, where image features
+        would go in. Every process's forward and backward then run the same modules and reach the same
+        parameters, in the same order: DDP and ZeRO reduce gradients in buckets, and a process whose batch
+        had no image would leave its buckets waiting (the others' hold the images' gradients); ZeRO-1/2 also
+        lay a bucket out in the order its gradients arrive, so a zero reaching the projector first (added to
+        the loss) instead of last (where the images' gradients arrive), or its bias before its weight, would
+        sum one process's projector gradients with another's LoRA ones; ZeRO-3 gathers each module's
+        parameters as its forward starts, on every process. Their gradient from this batch stays 0."""
+        if not self._trains_vision or image_inputs(data):
             yield
             return
-        zero = sum(p.sum() for p in self._trained_vision) * 0.0
+        zero = placeholder_image_zero(self.llm)
 
         def add_zero(module, args, output):
             return output + zero.to(output.dtype)

@@ -217,6 +217,40 @@ def image_inputs(data: dict) -> dict[str, torch.Tensor]:
     return {key: data[key] for key in IMAGE_KEYS if data.get(key) is not None}
 
 
+def placeholder_image(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The smallest image input the vision tower takes, zeros, shaped as the processor gives it: Qwen2-VL's
+    family one grid of ``merge x merge`` patches (one token after its merger), a fixed-size encoder (CLIP,
+    SigLIP) one image at its size."""
+    vision = config.vision_config
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge is not None:
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+        width = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size ** 2
+        return {"pixel_values": torch.zeros(merge * merge, width, device=device, dtype=dtype),
+                "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
+    size = vision.image_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    return {"pixel_values": torch.zeros(1, getattr(vision, "num_channels", 3), *size, device=device, dtype=dtype)}
+
+
+def placeholder_image_zero(llm: Any) -> torch.Tensor:
+    """0, computed from the image features of ``placeholder_image``: its backward reaches the trained vision
+    parameters through the operations a real image's does, so in the same order whatever the run's
+    autocast or kernels make of them (a sum of the parameters themselves reaches a linear layer's bias
+    before its weight, where bf16 autocast's image path reaches the weight first)."""
+    base = base_model(llm)
+    vision = next(iter(vision_parameters(base).values()))
+    inputs = placeholder_image(base.config, vision.device, vision.dtype)
+    # LLaVA's family reads the feature layer and selection from its config only in forward.
+    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+        if getattr(base.config, key, None) is not None:
+            inputs[key] = getattr(base.config, key)
+    features = base.get_image_features(**inputs)
+    features = getattr(features, "pooler_output", features)
+    features = [features] if isinstance(features, torch.Tensor) else features
+    return sum(f.float().sum() for f in features) * 0.0
+
+
 def multimodal_decoder(llm: Any) -> Any:
     """The module that turns ``input_ids`` and the image tensors into the language model's last hidden
     states (an image-text-to-text class's ``model``: vision tower, projector and language model), or None
