@@ -243,6 +243,36 @@ def turns_from_messages(messages: list[tuple[str, str, bool]], notes: list[str] 
     return conversation
 
 
+def prompt_turns(messages: list[dict], row: int | None = None, source: str | None = None,
+                 expected: str = "") -> list[dict]:
+    """A prompt's messages (system messages first, then user/assistant turns ending with a user message) ->
+    standard turns for a prompt template, the last one without output; earlier answers are context
+    (``output_with_loss=False``). Messages of one role are joined as ``turns_from_messages`` joins them.
+    Anything else is an error naming the message, followed by ``expected``.
+
+    >>> prompt_turns([{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'Q'}])
+    [{'system': 'S', 'input': 'Q'}]
+    """
+    turns: list[dict] = []
+    systems: list[str] = []
+    current: dict = {}
+    for i, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role == "system" and not turns and "input" not in current:
+            systems.append(content)
+        elif role == "user":
+            current["input"] = current["input"] + JOIN + content if "input" in current else content
+        elif role == "assistant" and "input" in current:
+            turns.append(dict(current, output=content, output_with_loss=False))
+            current = {}
+        else:
+            raise DatasetError(f"{where(row, source, f'prompt[{i}]')}: unexpected {role!r} message here{expected}")
+    turns.append(current)
+    if systems:
+        turns[0] = {"system": JOIN.join(systems), **turns[0]}
+    return turns
+
+
 def _message(message: tuple[str, str, bool], loss_flags: bool) -> dict:
     role, text, trained = message
     out = {"role": role, "content": text}

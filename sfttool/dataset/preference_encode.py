@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable
 
+from sfttool.dataset.conversation import prompt_turns
 from sfttool.dataset.encode import encode_batch
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.utils.constants import IGNORE_INDEX
@@ -34,6 +35,7 @@ NOTE_ANSWERS = "answers cut at max_length"
 DROP_PROMPT_TOO_LONG = "prompt alone fills max_length (no room for the answers)"
 DROP_PROMPT_MISMATCH = "chosen and rejected prompts tokenize differently"
 DROP_SAME_ANSWER = "chosen and rejected answers are identical"
+PROMPT_SHAPE = "; a prompt is an optional system message, then user/assistant turns ending with a user message"
 
 
 # ---------------------------------------------------------------------------
@@ -72,35 +74,12 @@ def pair_conversations(prompt: Any, chosen: Any, rejected: Any, row: int | None 
     if messages[-1]["role"] != "user":
         raise DatasetError(f"{where(row, source, 'prompt')}: the prompt must end with a user message, "
                            f"not {messages[-1]['role']!r}")
-    turns = _prompt_turns(messages, row, source)
+    turns = prompt_turns(messages, row, source, PROMPT_SHAPE)
     sides = []
     for field, value in (("chosen", chosen), ("rejected", rejected)):
         last = dict(turns[-1], output=_answer(value, field, row, source)["content"])
         sides.append(turns[:-1] + [last])
     return sides[0], sides[1]
-
-
-def _prompt_turns(messages: list[dict], row: int | None, source: str | None) -> list[dict]:
-    """Prompt messages -> turns; earlier answers are context (``output_with_loss=False``)."""
-    turns: list[dict] = []
-    systems: list[str] = []
-    current: dict = {}
-    for i, message in enumerate(messages):
-        role, content = message["role"], message["content"]
-        if role == "system" and not turns and "input" not in current:
-            systems.append(content)
-        elif role == "user":
-            current["input"] = current.get("input", "") + content
-        elif role == "assistant" and "input" in current:
-            turns.append(dict(current, output=content, output_with_loss=False))
-            current = {}
-        else:
-            raise DatasetError(f"{where(row, source, f'prompt[{i}]')}: unexpected {role!r} message here; a prompt "
-                               "is an optional system message, then user/assistant turns ending with a user message")
-    turns.append(current)
-    if systems:
-        turns[0] = {"system": "\n\n".join(systems), **turns[0]}
-    return turns
 
 
 def drop_first_turn(conversation: list[dict]) -> list[dict]:

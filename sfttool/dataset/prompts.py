@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sfttool.dataset.chat_targets import render, template_kwargs
+from sfttool.dataset.conversation import prompt_turns
 from sfttool.dataset.encode import batch_token_ids, chat_renderer, encode_prompt
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, examples, where
 from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows, select_rows
@@ -36,6 +37,7 @@ from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 PROMPT_OVERFLOW = ("error", "truncate", "drop")
 DROP_TOO_LONG = "prompt longer than max_prompt_length"
+TEMPLATE_PROMPT = " for a PROMPT_TEMPLATE; use prompt_template=PROMPT_TEMPLATE.hf_chat_template"
 # Columns the encoding adds; the rest of a row goes to the reward functions.
 ENCODED_COLUMNS = ("prompt_ids", "prompt_tokens", "overflow")
 
@@ -80,35 +82,13 @@ def prompt_messages(prompt: Any, row: int | None = None, source: str | None = No
     return messages
 
 
-def turns_of(messages: list[dict], row: int | None = None, source: str | None = None) -> list[dict]:
-    """Messages -> standard turns for an XTuner template (earlier answers as untrained context).
-
-    >>> turns_of([{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'Q'}])
-    [{'system': 'S', 'input': 'Q'}]
-    """
-    turns, current = [], {}
-    for i, message in enumerate(messages):
-        role, content = message["role"], message["content"]
-        if role == "system" and not turns and "input" not in current:
-            current["system"] = current.get("system", "") + content
-        elif role == "user":
-            current["input"] = current.get("input", "") + content
-        elif role == "assistant" and "input" in current:
-            turns.append(dict(current, output=content, output_with_loss=False))
-            current = {}
-        else:
-            raise DatasetError(f"{where(row, source, f'prompt[{i}]')}: unexpected {role!r} message here for a "
-                               "PROMPT_TEMPLATE; use prompt_template=PROMPT_TEMPLATE.hf_chat_template")
-    return turns + [current]
-
-
 def render_prompt(messages: list[dict], tokenizer, template: Any, row: int | None = None) -> str | list[int]:
     """The text the chat template renders with the generation prompt (HF chat-template mode), or the ids
     of an XTuner template's rendering."""
     if is_hf_chat_template(template):
         options = chat_template_options(template)
         return render(chat_renderer(tokenizer, options), messages, True, row=row, **template_kwargs(messages, options))
-    return encode_prompt(turns_of(messages, row), tokenizer, template)
+    return encode_prompt(prompt_turns(messages, row, expected=TEMPLATE_PROMPT), tokenizer, template)
 
 
 def encode_prompts(prompts: Sequence[Any], rows: Sequence[int], tokenizer, template: Any,
