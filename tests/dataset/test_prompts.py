@@ -75,6 +75,21 @@ def test_an_xtuner_template_renders_the_prompt_as_chat_does(tmp_path, tiny_token
     assert ds[1]["prompt_ids"] == encode_prompt(history, tiny_tokenizer, PROMPT_TEMPLATE.qwen_chat)
 
 
+def test_an_xtuner_template_joins_a_prompts_messages_of_one_role_as_sft_does(tmp_path, tiny_tokenizer):
+    """Two system messages and two user messages in a row: the prompt is SFT's conversation of the same
+    messages (openai_map_fn) without its answer."""
+    from sfttool.dataset.encode import encode_prompt
+    from sfttool.dataset.map_fns import openai_map_fn
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use digits."},
+              {"role": "user", "content": "2+2?"}, {"role": "user", "content": "And 3+3?"}]
+    ds = build_prompt_dataset(source(tmp_path, [{"prompt": prompt}]), tiny_tokenizer, max_prompt_length=64,
+                              prompt_template=PROMPT_TEMPLATE.qwen_chat)
+    turn, = openai_map_fn({"messages": prompt + [{"role": "assistant", "content": "4 and 6"}]})["conversation"]
+    assert turn["system"] == "Be brief.\n\nUse digits." and turn["input"] == "2+2?\n\nAnd 3+3?"
+    history = [{"system": turn["system"], "input": turn["input"]}]
+    assert ds[0]["prompt_ids"] == encode_prompt(history, tiny_tokenizer, PROMPT_TEMPLATE.qwen_chat)
+
+
 @pytest.fixture(scope="module")
 def qwen3_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
