@@ -359,10 +359,11 @@ class SupervisedFinetune(BaseModel):
         if not self._trains_vision or image_inputs(data):
             yield
             return
-        zero = placeholder_image_zero(self.llm)
 
         def add_zero(module, args, output):
-            return output + zero.to(output.dtype)
+            # Computed here, after the embeddings' own forward, as a real image's features are: ZeRO-3
+            # gathers each module's parameters as its forward starts, in the same order on every process.
+            return output + placeholder_image_zero(self.llm).to(output.dtype)
 
         handle = self.llm.get_input_embeddings().register_forward_hook(add_zero)
         try:

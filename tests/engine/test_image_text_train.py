@@ -167,13 +167,14 @@ def test_a_resumed_image_text_run_ends_bit_identical(tmp_path, image_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deepspeed", [None, "zero2"])
+@pytest.mark.parametrize("deepspeed", [None, "zero2", "zero3"])
 def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path, image_data, deepspeed):
-    """2 processes (DDP, or DeepSpeed ZeRO-2) x micro-batch 1 = 1 process x micro-batch 2 (the same rows per
+    """2 processes (DDP, or DeepSpeed ZeRO-2/3) x micro-batch 1 = 1 process x micro-batch 2 (the same rows per
     step, dropout off): the pixels of each rank's rows go with them, the loss normaliser spans the ranks, and a
-    rank whose batch has no image still reduces the projector's gradients, at the point of its backward where
-    the images' gradients arrive (else the ranks' gradient buckets disagree: under ZeRO-2, whose buckets are laid
-    out in arrival order, one rank's projector gradients would be summed with the other's LoRA ones)."""
+    rank whose batch has no image still runs the vision modules and reduces the projector's gradients, at the
+    point of its backward where the images' gradients arrive (else the ranks' gradient buckets disagree: under
+    ZeRO-2, whose buckets are laid out in arrival order, one rank's projector gradients would be summed with the
+    other's LoRA ones; under ZeRO-3 the ranks' parameter gathers would not match)."""
     from safetensors.torch import load_file
     from test_distributed import run_sfttool
 
