@@ -44,6 +44,7 @@ Deliberate differences from XTuner 0.2:
 """
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
@@ -53,12 +54,13 @@ import numpy as np
 from sfttool.dataset.chat_format import ChatFormat, renderer
 from sfttool.dataset.chat_targets import chat_template_samples, render, template_kwargs
 from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
-from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
-                                            piece_samples, span_samples)
+from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, byte_span_samples, flat_columns, list_columns,
+                                            numpy_columns, piece_samples, span_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
 from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
                                           image_token_id, with_special_tokens)
+from sfttool.dataset.token_bytes import byte_lengths, needs_nfc
 from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
 from sfttool.utils.constants import IGNORE_INDEX
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
@@ -342,8 +344,19 @@ def _chat_template_samples(conversations: list, rows: list[int], tokenizer, inpu
     # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
     # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
     texts = [text for text, _ in samples]
-    flat = span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, [s for _, s in samples])
+    flat = trained_spans(tokenizer, texts, [s for _, s in samples])
     return Encoded(flat, _repeat(rows, counts), counts, conversations, refused)
+
+
+def trained_spans(tokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> FlatSamples:
+    """``span_samples`` of ``texts`` tokenized whole; from the ids alone where the tokenizer's tokens have
+    known byte lengths (``token_bytes``), else with the offsets the tokenizer computes."""
+    lengths = byte_lengths(tokenizer)
+    if lengths is not None and (not needs_nfc(tokenizer) or all(unicodedata.is_normalized("NFC", t) for t in texts)):
+        flat = byte_span_samples(batch_token_ids(tokenizer, texts), texts, spans, lengths)
+        if flat is not None:
+            return flat
+    return span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, spans)
 
 
 def _processor_samples(batch: dict[str, list], rows: list[int], processor: Any, source: str | None,

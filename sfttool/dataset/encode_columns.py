@@ -73,12 +73,54 @@ def span_samples(encoded: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]
     starts, ends = (offsets + np.repeat(base, lengths)[:, None]).T
     bounds = np.array([(b + start, b + end) for b, own in zip(base.tolist(), spans) for start, end in own],
                       np.int64).reshape(-1, 2)  # [spans, (start, end)]
-    inside = np.zeros(total, bool)
+    return FlatSamples(ids, _labels_inside(ids, starts, ends, bounds), lengths)
+
+
+def byte_span_samples(encoded: Sequence[Sequence[int]], texts: Sequence[str],
+                      spans: Sequence[Sequence[tuple[int, int]]], byte_lengths: np.ndarray) -> FlatSamples | None:
+    """``span_samples`` from the ids alone, for a tokenizer whose tokens each stand for a known number of the
+    text's UTF-8 bytes (``token_bytes.byte_lengths``): the tokens' positions are the running sum of their byte
+    lengths, in bytes instead of characters (a token overlaps a span's bytes exactly when it overlaps its
+    characters), and the tokenizer need not compute and hand over every token's offsets. None when a text's
+    tokens do not add up to its bytes (the caller asks the tokenizer for offsets then).
+
+    >>> byte_span_samples([[1, 2, 3]], ['abcde'], [[(3, 5)]], np.array([0, 2, 2, 1])).labels.tolist()
+    [-100, 2, 3]
+    """
+    lengths = np.fromiter((len(ids) for ids in encoded), np.int64, len(encoded))  # [samples]
+    total = int(lengths.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(encoded), np.int32, total)
+    if total and int(ids.max()) >= len(byte_lengths):
+        return None
+    ends = np.cumsum(byte_lengths[ids], dtype=np.int64)  # [tokens]: bytes numbered across the batch
+    starts = ends - byte_lengths[ids]
+    ascii_text = [text.isascii() for text in texts]
+    sizes = np.fromiter((len(t) if a else len(t.encode("utf-8")) for t, a in zip(texts, ascii_text)),
+                        np.int64, len(texts))  # [samples]
+    text_ends = np.cumsum(sizes)
+    token_ends = ends[np.cumsum(lengths)[lengths > 0] - 1]  # [non-empty samples]: where its tokens end
+    if not np.array_equal(token_ends, text_ends[lengths > 0]) or (total and ends[-1] != text_ends[-1]):
+        return None
+    base = (text_ends - sizes).tolist()
+
+    def at(text: str, is_ascii: bool, char: int) -> int:
+        return char if is_ascii else len(text[:char].encode("utf-8"))
+
+    bounds = np.array([(b + at(t, a, start), b + at(t, a, end))
+                       for b, t, a, own in zip(base, texts, ascii_text, spans) for start, end in own],
+                      np.int64).reshape(-1, 2)  # [spans, (start, end)] in bytes
+    return FlatSamples(ids, _labels_inside(ids, starts, ends, bounds), lengths)
+
+
+def _labels_inside(ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each token's id where ``[start, end)`` overlaps one of ``bounds`` (sorted, not overlapping), else
+    IGNORE_INDEX; positions numbered across the batch."""
+    inside = np.zeros(len(ids), bool)
     if len(bounds):
         k = np.searchsorted(bounds[:, 1], starts, side="right")  # the first span ending after the token starts
         found = k < len(bounds)
         inside[found] = ends[found] > bounds[k[found], 0]
-    return FlatSamples(ids, np.where(inside, ids, np.int32(IGNORE_INDEX)), lengths)
+    return np.where(inside, ids, np.int32(IGNORE_INDEX))
 
 
 def flat_columns(flat: FlatSamples, max_length: int | np.ndarray, why_untrained: Callable[[int], int]
