@@ -224,7 +224,7 @@ def export_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     ``LlamaForCausalLM`` in safetensors and the tokenizer with its real ChatML
     chat template; ``AutoModelForCausalLM.from_pretrained`` loads it offline.
 
-        >>> export_smollm2()                      # first call ~20 s, then instant
+        >>> export_smollm2()                      # first call ~20 s, then instant  # doctest: +SKIP
         PosixPath('/home/me/.cache/sfttool/smollm2-135m-instruct')
     """
     target = Path(cache_dir or default_cache_dir()) / SMOLLM2_EXPORT_NAME

@@ -73,8 +73,8 @@ def resolve_type(type_: Any, key: str = "type") -> Any:
 def build(cfg: Any, key: str = "cfg", **default_args: Any) -> Any:
     """Build ``cfg`` recursively.
 
-    >>> build(dict(type='collections.OrderedDict', a=dict(type=dict, b=1)))
-    OrderedDict({'a': {'b': 1}})
+    >>> dict(build(dict(type='collections.OrderedDict', a=dict(type=dict, b=1))))
+    {'a': {'b': 1}}
 
     Dicts without ``type`` and lists are walked and their typed children built;
     everything else is returned as is. ``default_args`` fill missing arguments

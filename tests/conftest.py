@@ -19,6 +19,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from sfttool import assets  # noqa: E402
 
 
+# The suite runs on pytest-xdist workers (scripts/test.sh: --dist loadgroup). Each test file goes to one
+# worker whole, so its module fixtures are built once; files whose tests share a session fixture's training
+# run go to the same worker, so the run happens once; each Ray cluster test file starts its own cluster.
+SHARED_RUNS = {"two_rank_run": "two_rank_run", "lora_run": "tools_runs", "full_run": "tools_runs",
+               "lora_deepspeed_run": "tools_runs", "lora_cfg_path": "tools_runs", "full_cfg_path": "tools_runs"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    by_file: dict[Path, str] = {}
+    for item in items:  # a file with one test that uses a shared run goes with that run's group
+        shared = [SHARED_RUNS[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_RUNS]
+        if shared:
+            by_file[item.path] = shared[0]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(by_file.get(item.path, str(item.path))))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_hf_cache(tmp_path_factory):
     """Keep `datasets`' cache inside the test session's temp folder."""

@@ -258,8 +258,9 @@ def accepted_arguments(fn: Any) -> tuple[set[str], bool]:
     """``(names, open_ended)``: the keyword names ``fn`` takes, following ``**kwargs`` into base
     classes; ``open_ended`` when ``**kwargs`` still takes any other name.
 
-    >>> accepted_arguments(lambda a, *, b=1: None)
-    ({'a', 'b'}, False)
+    >>> names, open_ended = accepted_arguments(lambda a, *, b=1: None)
+    >>> sorted(names), open_ended
+    (['a', 'b'], False)
     """
     if isinstance(fn, ReadKeys):
         return set(fn.keys), False

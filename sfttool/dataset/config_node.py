@@ -3,7 +3,7 @@ the train entry's template check): where it is, what builds it, its arguments wi
 defaults.
 
     >>> node = dataset_node(cfg)                  # doctest: +SKIP
-    >>> is_process_hf_dataset(node), pipeline_args(node)['max_length']
+    >>> is_process_hf_dataset(node), pipeline_args(node)['max_length']  # doctest: +SKIP
     (True, 2048)
 """
 from __future__ import annotations

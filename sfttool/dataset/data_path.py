@@ -9,7 +9,7 @@ which accepts each of these:
     {'path': 'tatsu-lab/alpaca'}
     >>> data_source('data/train.jsonl')                  # doctest: +SKIP
     {'path': 'json', 'data_files': ['data/train.jsonl']}
-    >>> data_source('data/*.parquet')                    # doctest: +SKIP (a glob, or a folder of files)
+    >>> data_source('data/*.parquet')                    # a glob, or a folder of files  # doctest: +SKIP
     {'path': 'parquet', 'data_files': ['data/a.parquet', 'data/b.parquet']}
 
 XTuner-style ``dict(type=load_dataset, path='json', data_files=...)`` keeps working; this

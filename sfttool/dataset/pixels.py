@@ -7,7 +7,7 @@ the row then also holds ``pixel_values`` and, for Qwen-style processors, ``image
 the processor returns them for those images (None for a row without images)::
 
     >>> rows = with_pixels(dataset, processor)       # doctest: +SKIP
-    >>> rows[0]['pixel_values'].shape, rows[0]['image_grid_thw'].tolist()
+    >>> rows[0]['pixel_values'].shape, rows[0]['image_grid_thw'].tolist()  # doctest: +SKIP
     (torch.Size([28, 1176]), [[1, 6, 4], [1, 2, 2]])
 
 Each row's image tokens are counted against what its pixels make (a file changed since the dataset was

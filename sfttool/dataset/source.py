@@ -6,7 +6,7 @@ already hands to every stage, and it knows the local JSON files the rows were re
 order, so an error about a null field can be checked against the file:
 
     >>> source = DataSource('data.jsonl', ['data.jsonl'])     # doctest: +SKIP
-    >>> source, source.raw_row(4)
+    >>> source, source.raw_row(4)  # doctest: +SKIP
     ('data.jsonl', {'other': 1})
 
 Rows are numbered as loaded (``ROW_COLUMN``): across the files in order, blank lines skipped.

@@ -4,6 +4,7 @@ columns it produced) and by the stream (called on each chunk of rows it reads).
 
     map fn -> template -> (drop empty) -> encode (``encode.encode_batch``) -> drop untrained -> pack (``pack``)
 
+    >>> from sfttool.dataset.map_fns import alpaca_map_fn
     >>> map_batch({'instruction': ['Add.'], 'input': ['1 2'], 'output': ['3']}, [0], alpaca_map_fn)['conversation']
     [[{'system': '', 'tools': '', 'input': 'Add.\\n1 2', 'messages': '', 'output': '3', 'output_with_loss': True}]]
 

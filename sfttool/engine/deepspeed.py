@@ -1,8 +1,8 @@
 """DeepSpeed presets: find one, fill its ``"auto"`` fields from the config, and
 turn the config's optimizer wrapper into what mmengine's DeepSpeed strategy wants.
 
-    >>> ds = deepspeed_config('zero2', cfg)     # also 'deepspeed_zero2' or 'my_ds.json'
-    >>> ds['train_micro_batch_size_per_gpu'], ds['gradient_accumulation_steps']
+    >>> ds = deepspeed_config('zero2', cfg)     # also 'deepspeed_zero2' or 'my_ds.json'  # doctest: +SKIP
+    >>> ds['train_micro_batch_size_per_gpu'], ds['gradient_accumulation_steps']  # doctest: +SKIP
     (1, 16)                                     # from train_dataloader / optim_wrapper
 
 Filled fields: ``train_micro_batch_size_per_gpu`` <- ``train_dataloader.batch_size``;

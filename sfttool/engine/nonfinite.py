@@ -15,7 +15,7 @@ Turn it on from the config; it is on by default with a limit of 5::
 ``guard_optim_wrapper_cfg(cfg.optim_wrapper)`` swaps ``type`` for a guarded
 subclass of the same wrapper class, so the rest of the config is unchanged:
 
-    >>> guard_optim_wrapper_cfg(dict(type='OptimWrapper', optimizer=opt))['type']
+    >>> guard_optim_wrapper_cfg(dict(type='OptimWrapper', optimizer=opt))['type']  # doctest: +SKIP
     <class 'sfttool.engine.nonfinite.NonFiniteGuardOptimWrapper'>
 
 Paths:

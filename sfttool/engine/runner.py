@@ -181,7 +181,7 @@ def optimizer_step_window(optim_wrapper: Any, model: Any, it: int, max_iters: in
     scaled by its own length) when ``max_iters`` is not a multiple. DeepSpeed
     scales by its ``gradient_accumulation_steps``.
 
-    >>> optimizer_step_window(OptimWrapper(opt, accumulative_counts=4), model, 8, 10)
+    >>> optimizer_step_window(OptimWrapper(opt, accumulative_counts=4), model, 8, 10)  # doctest: +SKIP
     (2, 2)
     """
     accum = iterations_per_step(optim_wrapper, model)

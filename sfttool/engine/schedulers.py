@@ -14,7 +14,7 @@ over before the first step and no step would see a reduced LR; with 2 steps the
 first sees about half the peak and the last the peak), and a phase that started
 where the warm-up ended still does.
 
-    >>> resolve_param_schedulers([dict(type='LinearLR', start_factor=1e-5, by_epoch=True, begin=0,
+    >>> resolve_param_schedulers([dict(type='LinearLR', start_factor=1e-5, by_epoch=True, begin=0,  # doctest: +NORMALIZE_WHITESPACE
     ...     end=0.09, convert_to_iter_based=True), dict(type='CosineAnnealingLR', by_epoch=True,
     ...     begin=0.09, end=3, convert_to_iter_based=True)], iters_per_epoch=4, max_iters=12)
     [{'type': 'LinearLR', 'start_factor': 1e-05, 'begin': 0, 'end': 2, 'by_epoch': False},

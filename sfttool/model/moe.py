@@ -6,9 +6,9 @@ Found by capability, not class name: a transformers 5 MoE model records its rout
 a router among its children; fused experts are the block's 3-D parameters ``[experts, out, in]``
 (Qwen3-MoE, Mixtral and DeepSeek-V3 store them so, not as one Linear per expert).
 
-    >>> moe_blocks(llm)                    # tiny Qwen3-MoE
+    >>> moe_blocks(llm)                    # tiny Qwen3-MoE  # doctest: +SKIP
     ['model.layers.0.mlp', 'model.layers.1.mlp']
-    >>> fused_expert_parameters(llm)
+    >>> fused_expert_parameters(llm)  # doctest: +SKIP
     ['experts.down_proj', 'experts.gate_up_proj']
 """
 from __future__ import annotations

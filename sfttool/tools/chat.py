@@ -7,8 +7,8 @@ the tokenizer's end tokens: ``sfttool.utils.stop_words``, shared with the
 training's sample generations) and the history keeps each answer without them,
 exactly as a training row would hold it.
 
-    >>> session = ChatSession(model, tokenizer, get_template('qwen_chat'))
-    >>> session.ask('Who are you?')
+    >>> session = ChatSession(model, tokenizer, get_template('qwen_chat'))  # doctest: +SKIP
+    >>> session.ask('Who are you?')  # doctest: +SKIP
     'I am Pico, an assistant made by Lumen Labs.'
 """
 from __future__ import annotations
@@ -311,7 +311,7 @@ def load_tools(path: str | os.PathLike, template: Mapping) -> list[dict]:
 def split_reasoning(answer: str) -> tuple[str, str]:
     """``(reasoning, answer)`` of a reply that thinks first (``<think>...</think>``), else ``('', answer)``.
 
-    >>> split_reasoning('<think>\nOne and one.\n</think>\n\n2.')
+    >>> split_reasoning('<think>\\nOne and one.\\n</think>\\n\\n2.')
     ('One and one.', '2.')
     """
     if "</think>" not in answer:

@@ -1,6 +1,6 @@
 """Turn a training checkpoint into Hugging Face folders.
 
-    >>> pth_to_hf('my_cfg.py', 'work_dirs/my_cfg/iter_500.pth', 'hf_adapter')
+    >>> pth_to_hf('my_cfg.py', 'work_dirs/my_cfg/iter_500.pth', 'hf_adapter')  # doctest: +SKIP
     PosixPath('hf_adapter')   # adapter_config.json + adapter_model.safetensors (LoRA/QLoRA),
                               # or config.json + model.safetensors (full); tokenizer; sfttool_config.py
 

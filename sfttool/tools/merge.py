@@ -1,6 +1,6 @@
 """Merge a LoRA/QLoRA adapter into its base model and save a plain HF folder.
 
-    >>> merge_adapter('Qwen/Qwen2.5-0.5B-Instruct', 'work_dirs/run/hf_adapter', 'merged')
+    >>> merge_adapter('Qwen/Qwen2.5-0.5B-Instruct', 'work_dirs/run/hf_adapter', 'merged')  # doctest: +SKIP
     PosixPath('merged')       # config.json, model.safetensors, tokenizer files
 
 The base is loaded unquantised (also for QLoRA adapters: merging into 4-bit

@@ -6,7 +6,7 @@ them, into contiguous blocks, as the local command cuts its shards (``datasets``
 ``shard``), after the same ``max_dataset_length`` subset (``pipeline.subset_indices``). A block names
 the files' byte or row ranges it spans, so a worker reads only its own rows::
 
-    >>> blocks = plan_blocks('json', ['a.jsonl'], shard_rows=2, seed=0)   # doctest: +SKIP  (5 rows)
+    >>> blocks = plan_blocks('json', ['a.jsonl'], shard_rows=2, seed=0)   # 5 rows  # doctest: +SKIP
     >>> [(b['index'], b['first_row'], b['rows']) for b in blocks]          # doctest: +SKIP
     [(0, 0, 2), (1, 2, 2), (2, 4, 1)]
 """

@@ -102,7 +102,7 @@ def reported_save(final: str | os.PathLike, partial: str | os.PathLike, what: st
     ``error`` naming ``final`` and the error; other exceptions pass through
     unchanged (after removing ``partial``).
 
-    >>> with reported_save('/w/iter_8.pth', '/w/iter_8.pth.tmp'):
+    >>> with reported_save('/w/iter_8.pth', '/w/iter_8.pth.tmp'):  # doctest: +SKIP
     ...     torch.save(state, '/w/iter_8.pth.tmp'); publish('/w/iter_8.pth.tmp', '/w/iter_8.pth')
     """
     final, partial = Path(final), Path(partial)
@@ -143,7 +143,7 @@ def atomic_output(path: str | os.PathLike, what: str = "checkpoint", partial: st
     succeeds, sync it and rename it to ``path`` (file or folder). On any OS error the
     partial output is removed and ``error`` names the path and the error.
 
-    >>> with atomic_output('/w/iter_10.pth') as tmp:
+    >>> with atomic_output('/w/iter_10.pth') as tmp:  # doctest: +SKIP
     ...     torch.save(state, tmp)      # /w/.iter_10.pth.tmp-<pid>, renamed on success
     """
     path = Path(path)
@@ -170,7 +170,7 @@ def atomic_folder(folder: str | os.PathLike, error: type[Exception] = Checkpoint
     which would load as a mix with the new ones). On failure the partial output is
     removed and an OS error becomes one line of ``error``.
 
-    >>> with atomic_folder('out/hf_model') as tmp:
+    >>> with atomic_folder('out/hf_model') as tmp:  # doctest: +SKIP
     ...     model.save_pretrained(tmp)
     """
     folder = Path(folder)

@@ -1,9 +1,9 @@
 """Where generated text ends: one list of stop words for ``sfttool chat`` and the
 training's sample generations (``EvaluateChatHook``), so both stop on the same words.
 
-    >>> stop_words_for('qwen_chat', tokenizer, extra=['###'])
+    >>> stop_words_for('qwen_chat', tokenizer, extra=['###'])  # doctest: +SKIP
     ['<|im_end|>', '<|endoftext|>', '###']
-    >>> cut_at_stop_words('Hello!<|im_end|>\\n<|im_start|>', ['<|im_end|>'])
+    >>> cut_at_stop_words('Hello!<|im_end|>\\n<|im_start|>', ['<|im_end|>'])  # doctest: +SKIP
     'Hello!'
 """
 from __future__ import annotations
