@@ -102,7 +102,7 @@ def run_stream(tok_dir: str, rows: int, max_length: int, workers: int) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from sfttool.dataset.encode import batch_token_ids
+    from sfttool.dataset.tokens import batch_token_ids
     from sfttool.dataset.map_fns import template_map_fn_factory
     from sfttool.dataset.streaming import StreamingPackedDataset
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -44,25 +44,22 @@ Deliberate differences from XTuner 0.2:
 """
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sfttool.dataset.chat_format import ChatFormat, renderer
-from sfttool.dataset.chat_targets import chat_template_samples, render, template_kwargs
+from sfttool.dataset.chat_encode import chat_renderer, chat_template_encoded, processor_encoded, renderer_name, repeat
+from sfttool.dataset.chat_targets import render, template_kwargs
 from sfttool.dataset.conversation import check_conversation, flag, row_tools, to_messages
-from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, byte_span_samples, flat_columns, list_columns,
-                                            numpy_columns, piece_samples, span_samples)
+from sfttool.dataset.encode_columns import (FlatSamples, arrow_columns, flat_columns, list_columns, numpy_columns,
+                                            piece_samples)
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN, refuse_unbound_images
-from sfttool.dataset.image_tokens import (expand_placeholders, image_limits, image_token, image_token_counts,
-                                          image_token_id, with_special_tokens)
-from sfttool.dataset.token_bytes import byte_lengths, needs_nfc
-from sfttool.dataset.unrendered import Unrendered, refuse, unrendered_turn
-from sfttool.utils.constants import IGNORE_INDEX
+from sfttool.dataset.image_rows import refuse_unbound_images
+from sfttool.dataset.image_tokens import image_limits
+from sfttool.dataset.tokens import batch_token_ids, bos_eos_ids
+from sfttool.dataset.unrendered import refuse, unrendered_turn
 from sfttool.utils.templates import chat_template_options, is_hf_chat_template
 
 # ``first_trained`` when no token of a sample is trained: why not (and ``unrendered.REFUSED``).
@@ -71,12 +68,6 @@ UNTRAINED_EMPTY = -2   # the answers render to nothing trainable
 
 # A piece is (kind, text, trained); kind is 'text', 'bos' or 'eos'.
 Piece = tuple[str, str, bool]
-
-
-def bos_eos_ids(tokenizer) -> tuple[list[int], list[int]]:
-    """``([bos] or [], [eos] or [])`` of ``tokenizer``."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return ([bos] if bos is not None else []), ([eos] if eos is not None else [])
 
 
 # ---------------------------------------------------------------------------
@@ -111,54 +102,7 @@ def template_pieces(conversation: list[dict], input_ids_with_output: bool = True
 
 
 # ---------------------------------------------------------------------------
-# HF chat-template mode (``chat_targets``): the special tokens that end a turn.
-
-def special_token_texts(tokenizer) -> list[str]:
-    """Texts of the special tokens (EOS, end-of-turn markers, ...), longest first."""
-    texts = set(tokenizer.all_special_tokens)
-    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if added.special:
-            texts.add(added.content)
-    return sorted((t for t in texts if t), key=len, reverse=True)
-
-
-def _require_chat_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DatasetError("template hf_chat_template needs a tokenizer with a `chat_template`; "
-                           "this tokenizer has none: choose a built-in PROMPT_TEMPLATE instead")
-
-
-def chat_renderer(tokenizer, chat_options: dict | None):
-    """What renders a conversation in chat-template mode: the template's ``CHAT_FORMAT`` (a built-in
-    format such as ``qwen3``), else the tokenizer's own jinja ``chat_template``."""
-    chosen = renderer(tokenizer, chat_options)
-    if chosen is tokenizer:
-        _require_chat_template(tokenizer)
-    return chosen
-
-
-# ---------------------------------------------------------------------------
 # Tokenize pieces (batched) and assemble ids + labels.
-
-def batch_token_ids(tokenizer, texts: list[str], with_offsets: bool = False) -> list:
-    """``tokenizer(texts, add_special_tokens=False)['input_ids']``, faster.
-
-    A fast tokenizer's Rust backend is called directly: it encodes the batch
-    on several threads and skips building Python encodings, which cost about
-    as much as the tokenization itself. Same ids. ``with_offsets`` returns
-    ``(ids, character offsets)`` per text.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    encode = getattr(backend, "encode_batch" if with_offsets else "encode_batch_fast", None)
-    # A backend with stored truncation/padding (from tokenizer.json) would apply it here; transformers' call
-    # resets those per call, so use that path then.
-    if (encode is None or backend.truncation is not None or backend.padding is not None
-            or getattr(tokenizer, "split_special_tokens", False)):
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=with_offsets)
-        return list(zip(enc["input_ids"], enc["offset_mapping"])) if with_offsets else enc["input_ids"]
-    encodings = encode(texts, add_special_tokens=False)
-    return [(e.ids, e.offsets) for e in encodings] if with_offsets else [e.ids for e in encodings]
-
 
 def piece_ids(rows: list[list[Piece]], tokenizer) -> list[list[tuple[list[int], bool]]]:
     """Each row's pieces as ``(token ids, trained)``, every text piece of every row tokenized in one call.
@@ -236,7 +180,7 @@ class Encoded:
     @cached_property
     def owners(self) -> list[int]:
         """[samples] the conversation of each sample."""
-        return _repeat(range(len(self.counts)), self.counts)
+        return repeat(range(len(self.counts)), self.counts)
 
     def why_untrained(self, sample: int) -> int:
         """``first_trained`` of a sample without a trained token: why not (a negative code)."""
@@ -249,7 +193,7 @@ class Encoded:
         at the new length when a conversation became several samples)."""
         if len(self.rows) == len(self.counts):
             return {}
-        return {name: _repeat(batch[name], self.counts) for name in carry if name != ROW_COLUMN}
+        return {name: repeat(batch[name], self.counts) for name in carry if name != ROW_COLUMN}
 
 
 def encode_batch(batch: dict[str, list], indices: Iterable[int], tokenizer, max_length: int,
@@ -305,11 +249,12 @@ def encode_samples(batch: dict[str, list], indices: Iterable[int], tokenizer, in
         if not input_ids_with_output:
             raise DatasetError("with processor=..., rows are encoded with their answers: "
                                "set input_ids_with_output=True")
-        return _processor_samples(batch, rows, processor, source, chat_options, skip_bad_rows)
+        return Encoded(conversations=conversations,
+                       **processor_encoded(batch, rows, processor, source, chat_options, skip_bad_rows))
     refuse_unbound_images(conversations, rows, source)
     if hf_chat_template:
-        return _chat_template_samples(conversations, rows, tokenizer, input_ids_with_output, source, chat_options,
-                                      skip_bad_rows)
+        return Encoded(conversations=conversations, **chat_template_encoded(
+            conversations, rows, tokenizer, input_ids_with_output, source, chat_options, skip_bad_rows))
     return _template_samples(conversations, rows, tokenizer, input_ids_with_output, source, skip_bad_rows)
 
 
@@ -324,82 +269,6 @@ def _template_samples(conversations: list, rows: list[int], tokenizer, input_ids
     return Encoded(piece_samples(piece_ids(pieces, tokenizer)), rows, [1] * len(rows), conversations, refused)
 
 
-def _chat_template_samples(conversations: list, rows: list[int], tokenizer, input_ids_with_output: bool,
-                           source: str | None, chat_options: dict | None, skip_bad_rows: bool) -> Encoded:
-    if not input_ids_with_output:
-        raise DatasetError("template hf_chat_template needs input_ids_with_output=True")
-    render_with = chat_renderer(tokenizer, chat_options)
-    specials = special_token_texts(tokenizer)
-    samples: list[tuple[str, list[tuple[int, int]]]] = []
-    counts, refused = [], {}
-    for conversation, row in zip(conversations, rows):
-        try:
-            own = chat_template_samples(conversation, render_with, specials, chat_options, row)
-        except Unrendered as exc:
-            refused[len(samples)] = refuse(exc.feature, exc.trained_as, row, source,
-                                           renderer_name(render_with, True), skip_bad_rows)
-            own = [("", [])]
-        samples += own
-        counts.append(len(own))
-    # The whole rendered text is tokenized at once, as apply_chat_template does: pieces tokenized
-    # apart would differ at their edges (SentencePiece's dummy "▁" prefix, BPE merges).
-    texts = [text for text, _ in samples]
-    flat = trained_spans(tokenizer, texts, [s for _, s in samples])
-    return Encoded(flat, _repeat(rows, counts), counts, conversations, refused)
-
-
-def trained_spans(tokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> FlatSamples:
-    """``span_samples`` of ``texts`` tokenized whole; from the ids alone where the tokenizer's tokens have
-    known byte lengths (``token_bytes``), else with the offsets the tokenizer computes."""
-    lengths = byte_lengths(tokenizer)
-    if lengths is not None and (not needs_nfc(tokenizer) or all(unicodedata.is_normalized("NFC", t) for t in texts)):
-        flat = byte_span_samples(batch_token_ids(tokenizer, texts), texts, spans, lengths)
-        if flat is not None:
-            return flat
-    return span_samples(batch_token_ids(tokenizer, texts, with_offsets=True), texts, spans)
-
-
-def _processor_samples(batch: dict[str, list], rows: list[int], processor: Any, source: str | None,
-                      chat_options: dict | None, skip_bad_rows: bool) -> Encoded:
-    """Image rows through the model's processor (HF chat-template mode with images): the processor's chat
-    template renders each sample (``chat_targets``, answers trained exactly as for text), each image
-    placeholder becomes the tokens the processor makes of that image (``image_tokens``), and the text is
-    tokenized whole with the special tokens the processor's call adds, so the ids equal
-    ``processor.apply_chat_template(messages, tokenize=True)``. Image tokens are never trained."""
-    tokenizer = processor.tokenizer
-    specials = special_token_texts(tokenizer)
-    token = image_token(processor)
-    conversations = batch["conversation"]
-    row_images = batch.get(IMAGES_COLUMN) or [[]] * len(rows)
-    row_sizes = batch.get(SIZES_COLUMN) or [[]] * len(rows)
-    texts, spans, images, counts, per_row, refused = [], [], [], [], [], {}
-    for conversation, own_images, sizes, row in zip(conversations, row_images, row_sizes, rows):
-        own_images, own_counts = own_images or [], image_token_counts(processor, sizes or [])
-        try:
-            samples = chat_template_samples(conversation, processor, specials, chat_options, row)
-        except Unrendered as exc:
-            refused[len(texts)] = refuse(exc.feature, exc.trained_as, row, source, "the processor's chat template",
-                                         skip_bad_rows)
-            samples = [("", [])]
-        rendered = [text.count(token) for text, _ in samples]  # a sample renders the conversation's first images
-        if max(rendered) != len(own_images) and len(texts) not in refused:
-            raise DatasetError(f"{where(row, source)}: the chat template rendered {max(rendered)} image "
-                               f"placeholders {token!r} for {len(own_images)} images (a template that leaves an "
-                               f"image out, or {token!r} written in the text); fix the row or the template")
-        for (text, own_spans), n in zip(samples, rendered):
-            text, own_spans = expand_placeholders(text, own_spans, token, own_counts[:n], row, source)
-            texts.append(text)
-            spans.append(own_spans)
-            images.append(own_images[:n])
-            counts.append(own_counts[:n])
-        per_row.append(len(samples))
-    encoded = with_special_tokens(tokenizer, texts, batch_token_ids(tokenizer, texts, with_offsets=True))
-    flat = span_samples(encoded, texts, spans)
-    flat.labels[flat.ids == image_token_id(processor)] = IGNORE_INDEX  # images are read, never produced
-    return Encoded(flat, _repeat(rows, per_row), per_row, conversations, refused, images=images,
-                   image_counts=counts, image_token_id=image_token_id(processor))
-
-
 def check_batch(conversations: list, row_numbers: list[int], source: str | None, input_ids_with_output: bool) -> None:
     """Each conversation is well formed (``check_conversation``), and single-turn when no output is encoded."""
     for conversation, row in zip(conversations, row_numbers):
@@ -409,21 +278,10 @@ def check_batch(conversations: list, row_numbers: list[int], source: str | None,
                                "single-turn conversations")
 
 
-def _repeat(values: Sequence, counts: Sequence[int]) -> list:
-    return [value for value, count in zip(values, counts) for _ in range(count)]
-
-
 def why_untrained(conversation: list[dict]) -> int:
     """Why a sample of ``conversation`` has no trained token: ``UNTRAINED_MASKED`` (every answer has
     output_with_loss=False) or ``UNTRAINED_EMPTY`` (its answers render to nothing trainable)."""
     return UNTRAINED_EMPTY if any(flag(turn, "output_with_loss") for turn in conversation) else UNTRAINED_MASKED
-
-
-def renderer_name(renderer: Any, hf_chat_template: bool) -> str:
-    """What renders the conversations, as messages name it."""
-    if not hf_chat_template:
-        return "the prompt template"
-    return "the template's CHAT_FORMAT" if isinstance(renderer, ChatFormat) else "the tokenizer's chat template"
 
 
 def encode_prompt(history: list[dict], tokenizer, template: Any = None) -> list[int]:

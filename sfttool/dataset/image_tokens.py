@@ -16,7 +16,7 @@ equal ``processor.apply_chat_template(messages, tokenize=True)``::
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

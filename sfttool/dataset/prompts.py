@@ -26,7 +26,9 @@ import numpy as np
 
 from sfttool.dataset.chat_targets import render, template_kwargs
 from sfttool.dataset.conversation import prompt_turns
-from sfttool.dataset.encode import batch_token_ids, chat_renderer, encode_prompt
+from sfttool.dataset.chat_encode import chat_renderer
+from sfttool.dataset.encode import encode_prompt
+from sfttool.dataset.tokens import batch_token_ids
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, examples, where
 from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, change_lines, stage_recorder

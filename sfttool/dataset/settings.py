@@ -2,6 +2,8 @@
 train``'s early checks run too (a module of its own: they sit below every pipeline that shares them)."""
 from __future__ import annotations
 
+from typing import Any
+
 from sfttool.dataset.errors import DatasetError, check_positive_int
 from sfttool.dataset.pack import STRATEGIES
 

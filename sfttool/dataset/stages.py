@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sfttool.dataset.conversation import is_empty, with_every_key
-from sfttool.dataset.encode import UNTRAINED_EMPTY, UNTRAINED_MASKED, encode_batch_arrays, renderer_name
+from sfttool.dataset.chat_encode import renderer_name
+from sfttool.dataset.encode import UNTRAINED_EMPTY, UNTRAINED_MASKED, encode_batch_arrays
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.report import (DROP_EMPTY_ANSWER, DROP_MASKED, PipelineReport, drop_emptied,
                                     drop_prompt_too_long, drop_unrendered)

@@ -9,8 +9,6 @@ micro-batch's mean log-ratio on the KL sequences (clamped at 0, no gradient), th
 """
 from __future__ import annotations
 
-import torch
-
 from sfttool.model import preference_loss as P
 from sfttool.model.dpo import DPO
 from sfttool.model.step_metrics import step_metrics

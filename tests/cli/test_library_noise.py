@@ -2,13 +2,12 @@
 (``sfttool.compat.quiet_library_noise``); what it says that matters is kept."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
 import sys
 
-from sfttool import assets, compat
+from sfttool import compat
 
 NOISE = ("Setting accelerator to CPU", "LOAD REPORT", "Failed to load CPU gemm_4bit_forward",
          "Skipping publisher trust check", "is_gradient_checkpointing", "Loading weights", "Writing model shards",

@@ -110,7 +110,8 @@ def encode_rows(conversations: list, rows: list[int], tokenizer, max_length: int
 
 def _row_samples(conversation, row, tokenizer, input_ids_with_output, hf_chat_template, chat_options, skip_bad_rows):
     from sfttool.dataset.chat_targets import chat_template_samples
-    from sfttool.dataset.encode import chat_renderer, special_token_texts
+    from sfttool.dataset.chat_encode import chat_renderer
+    from sfttool.dataset.tokens import special_token_texts
     from sfttool.dataset.unrendered import Unrendered
     if not hf_chat_template:
         refused = template_refusal(conversation) if input_ids_with_output else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from sfttool.dataset.encode import batch_token_ids
+from sfttool.dataset.tokens import batch_token_ids
 
 TEXTS = ["", "<|im_start|>user\nhello<|im_end|>\n", "<|im_end|><|im_end|>", "héllo wörld 🙂🙂 中文 e\u0301",
          "  leading and trailing  \n\n", "\t", "tab\tand\r\nnewlines", "x" * 3000, "<|im_start|>", "a<|im_end|>b"]

@@ -342,7 +342,7 @@ def test_batch_token_ids_equals_tokenizer_call(tiny_tokenizer_dir):
     """The direct Rust path gives the same ids, and is skipped when the backend would truncate."""
     from transformers import AutoTokenizer
 
-    from sfttool.dataset.encode import batch_token_ids
+    from sfttool.dataset.tokens import batch_token_ids
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     texts = ["<|im_start|>user\nhello world<|im_end|>", "The answer is 42.", " two  spaces\n\n"] * 5
     assert batch_token_ids(tok, texts) == tok(texts, add_special_tokens=False)["input_ids"]

@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import Dataset
 
 from sfttool import assets

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from sfttool.dataset.encode import batch_token_ids, trained_spans
+from sfttool.dataset.tokens import batch_token_ids, trained_spans
 from sfttool.dataset.encode_columns import span_samples
 from sfttool.dataset.token_bytes import byte_lengths
 

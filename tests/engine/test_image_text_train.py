@@ -105,7 +105,7 @@ def image_input(processor, image):
 @pytest.mark.slow
 def test_check_train_convert_merge_and_chat_with_images(tmp_path, image_data, capsys):
     from peft import PeftModel
-    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from sfttool.cli.main import cli
     from sfttool.engine.train import train

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine_helpers import logged, write_config
-from sfttool.config import ConfigError, load_config
+from sfttool.config import load_config
 from sfttool.engine.checks import run_checks
 from sfttool.engine.spec import TrainOptions
 

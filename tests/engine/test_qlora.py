@@ -4,7 +4,6 @@ hook before training and mid-run: evaluation must not stop LoRA from learning
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from engine_helpers import logged, mean

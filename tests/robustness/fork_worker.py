@@ -14,7 +14,7 @@ from datasets import load_dataset
 from transformers import AutoTokenizer
 
 from sfttool.dataset import process_hf_dataset
-from sfttool.dataset.encode import batch_token_ids
+from sfttool.dataset.tokens import batch_token_ids
 from sfttool.dataset.map_fns import template_map_fn_factory
 from sfttool.dataset.streaming import StreamingPackedDataset
 from sfttool.utils import PROMPT_TEMPLATE
