@@ -186,7 +186,7 @@ def limit_tokens_per_cpu_s(tok, texts: list[str]) -> float:
 
 class CpuMeter:
     """CPU seconds of a block of work in this process: in all (``_cpu_seconds``), in the tokenizer's calls
-    (``encode.batch_token_ids``) and in ``datasets.load_dataset``. Any encode entry point (a lazy dataset's
+    (``tokens.batch_token_ids``) and in ``datasets.load_dataset``. Any encode entry point (a lazy dataset's
     reads, a worker's batches) can be measured in the process that runs it::
 
         with CpuMeter() as meter:
@@ -197,9 +197,10 @@ class CpuMeter:
     def __enter__(self) -> "CpuMeter":
         import datasets
 
-        from sfttool.dataset import encode
+        from sfttool.dataset import chat_encode, encode, tokens
         self._stack = contextlib.ExitStack()
-        self._tokenizer = _timed_attribute(self._stack, [encode], "batch_token_ids")
+        # every module that calls it by its own name for it
+        self._tokenizer = _timed_attribute(self._stack, [tokens, encode, chat_encode], "batch_token_ids")
         self._load = _timed_attribute(self._stack, [datasets, datasets.load], "load_dataset")
         self._start = _cpu_seconds()
         return self
