@@ -19,22 +19,31 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from sfttool import assets  # noqa: E402
 
 
-# The suite runs on pytest-xdist workers (scripts/test.sh: --dist loadgroup). Each test file goes to one
-# worker whole, so its module fixtures are built once; files whose tests share a session fixture's training
-# run go to the same worker, so the run happens once; each Ray cluster test file starts its own cluster.
+# The suite runs on pytest-xdist workers (scripts/test.sh: --dist loadgroup). Files whose tests share a
+# session fixture's training run go to one worker, so the run happens once; a file with a module- or
+# class-scoped fixture goes to one worker whole, so that fixture is built once; other tests go where a
+# worker is free.
 SHARED_RUNS = {"two_rank_run": "two_rank_run", "lora_run": "tools_runs", "full_run": "tools_runs",
                "lora_deepspeed_run": "tools_runs", "lora_cfg_path": "tools_runs", "full_cfg_path": "tools_runs"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    by_file: dict[Path, str] = {}
-    for item in items:  # a file with one test that uses a shared run goes with that run's group
-        shared = [SHARED_RUNS[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_RUNS]
-        if shared:
-            by_file[item.path] = shared[0]
+    groups: dict[Path, str] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(by_file.get(item.path, str(item.path))))
+        names = getattr(item, "fixturenames", ())
+        shared = [SHARED_RUNS[name] for name in names if name in SHARED_RUNS]
+        info = getattr(item, "_fixtureinfo", None)
+        scoped = info is not None and any(definition.scope in ("module", "class", "package")
+                                          for definitions in info.name2fixturedefs.values()
+                                          for definition in definitions)
+        if shared:
+            groups[item.path] = shared[0]
+        elif scoped:
+            groups.setdefault(item.path, str(item.path))
+    for item in items:
+        if item.path in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.path]))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -178,3 +178,12 @@ def test_image_rows_benchmark(tmp_path):
     assert report["build"]["rows"] == 20 and report["build"]["rows_per_s"] > 0
     assert report["processor_reference"]["rows"] == 5 and report["read"]["images"] > 0
     assert report["read"]["image_tokens"] == 4 * report["read"]["images"]  # 56 x 56: 2 x 2 merged patches
+
+
+def test_trained_spans_benchmark(tmp_path):
+    out = tmp_path / "trained_spans.json"
+    run([sys.executable, str(BENCH / "trained_spans.py"), "--rows", "20", "--repeats", "1", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["samples"] >= 20 and report["tokens"] > 0  # the script checked both paths' labels equal
+    assert set(report["cpu_seconds"]) == {"offsets", "ids", "encode_only"}
+    assert all(value > 0 for value in report["cpu_seconds"].values())
