@@ -30,8 +30,8 @@ import numpy as np
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
 from sfttool.dataset.mix import mix_indices, unified_table
 from sfttool.dataset.pack import PackStats
-from sfttool.dataset.pipeline import (SOURCE_COLUMN, apply_map_fn, check_settings, default_num_proc, finish_rows,
-                                      sample_table)
+from sfttool.dataset.pipeline import SOURCE_COLUMN, apply_map_fn, check_settings, finish_rows, sample_table
+from sfttool.dataset.rows import default_num_proc
 from sfttool.dataset.report import PipelineReport, log, log_report
 from sfttool.dataset.resolve import resolve_map_fn, template_of
 from sfttool.dataset.source_stages import (apply_filter, check_sources, count_removed, load_source, source_label,

@@ -20,7 +20,8 @@ import logging
 from typing import Any
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
-from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows
+from sfttool.dataset.pipeline import apply_map_fn, log
+from sfttool.dataset.rows import default_num_proc, number_rows
 from sfttool.dataset.preference_encode import encode_conversations, pair_conversations, prompt_length
 from sfttool.dataset.report import PipelineReport
 from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from sfttool.dataset.image_rows import IMAGES_COLUMN, LLAVA_COLUMN
 from sfttool.dataset.pack import pack_stream
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset.resolve import source_name
+from sfttool.dataset.rows import load_rows
 from sfttool.dataset.settings import LAZY_SETTINGS, check_lazy_settings
 from sfttool.dataset.streaming import StreamingPackedDataset, _reader
 
@@ -47,12 +48,13 @@ PIPELINE_ARGS = ("dataset", "tokenizer", "max_length", "dataset_map_fn", "templa
                  "source", "skip_bad_rows")
 
 
-def lazy_dataset(args: dict, load_rows: Callable, lazy_encode: bool, buffer_size: int | None,
+def lazy_dataset(args: dict, lazy_encode: bool, buffer_size: int | None,
                  encode_chunk: int | None, rows_per_epoch: int | None, use_varlen_attn: bool,
                  cache_dir: str | None) -> "LazyEncodedDataset":
-    """``process_hf_dataset(lazy_encode=True, ...)`` (``args``: its pipeline arguments; ``load_rows``: its
-    loading stages): a ``LazyEncodedDataset``. What would change the rows is refused; what has no meaning
-    here is ignored with one warning; a lazy-only setting without ``lazy_encode=True`` is an error."""
+    """``process_hf_dataset(lazy_encode=True, ...)`` (``args``: its pipeline arguments): a
+    ``LazyEncodedDataset`` of the rows ``rows.load_rows`` loads. What would change the rows is refused; what
+    has no meaning here is ignored with one warning; a lazy-only setting without ``lazy_encode=True`` is an
+    error."""
     given = dict(buffer_size=buffer_size, encode_chunk=encode_chunk, rows_per_epoch=rows_per_epoch)
     check_lazy_settings(lazy_encode, given, args["rename_maps"], args["do_dataset_tokenization"],
                         args["pack_strategy"])
@@ -101,7 +103,7 @@ def rank_rows(order: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 
 class LazyEncodedDataset(StreamingPackedDataset):
-    """Loaded rows (a numbered ``datasets.Dataset``, ``pipeline.load_rows``) encoded as they are read
+    """Loaded rows (a numbered ``datasets.Dataset``, ``rows.load_rows``) encoded as they are read
     (module docstring).
 
     ``len()``: the rows one rank reads per epoch: without packing, its share of the rows (fewer come

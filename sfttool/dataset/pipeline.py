@@ -16,7 +16,6 @@ Rows hold ``input_ids``, ``labels``, ``position_ids``,
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np
@@ -29,6 +28,7 @@ from sfttool.dataset.images_stage import (IMAGE_COLUMNS, IMAGES_COLUMN, SIZES_CO
 from sfttool.dataset.pixels import with_pixels
 from sfttool.dataset.report import (DROP_SUBSET, PipelineReport, count_split, log,  # noqa: F401  (imported from here)
                                    log_report, stage_recorder)
+from sfttool.dataset.rows import default_num_proc, number_rows, select_rows
 from sfttool.dataset.resolve import (dataset_config, resolve_dataset, resolve_map_fn, resolve_template_map_fn,
                                      source_name, template_of)
 from sfttool.dataset.settings import check_settings  # noqa: F401  (imported from here too)
@@ -39,47 +39,7 @@ from sfttool.registry import build_if_config
 
 
 # ---------------------------------------------------------------------------
-# Processes for ``map``.
-
-def default_num_proc(rows: int, map_num_proc: int | None) -> int:
-    """Processes for ``map``: as configured (XTuner configs say 32), but no more than the CPUs,
-    and one per 5000 rows at most (starting a process costs more than a small shard)."""
-    cpus = os.cpu_count() or 1
-    wanted = min(8, cpus) if map_num_proc is None else map_num_proc
-    return max(1, min(wanted, cpus, rows // 5000 or 1))
-
-
-# ---------------------------------------------------------------------------
 # Stages. Each takes a dataset and returns a new one, updating the report.
-
-def number_rows(dataset):
-    """Add ``ROW_COLUMN`` (the row's index in the loaded data) unless it is there."""
-    if ROW_COLUMN in dataset.column_names:
-        return dataset
-    if getattr(dataset, "_indices", None) is not None:  # a selected view: number what it shows
-        dataset = dataset.flatten_indices()
-    return dataset.add_column(ROW_COLUMN, np.arange(len(dataset)))
-
-
-def select_rows(dataset, max_dataset_length: int | None, seed: int, report: PipelineReport):
-    """Keep a seeded random subset of ``max_dataset_length`` rows (in file order)."""
-    keep = subset_indices(len(dataset), max_dataset_length, seed)
-    if keep is None:
-        return dataset
-    report.drop(DROP_SUBSET, [], count=len(dataset) - len(keep))
-    return dataset.select(keep)
-
-
-def subset_indices(rows: int, max_dataset_length: int | None, seed: int) -> np.ndarray | None:
-    """The rows ``select_rows`` keeps, sorted, or None for all of them.
-
-    >>> subset_indices(5, 3, seed=0).tolist(), subset_indices(5, None, seed=0)
-    ([2, 3, 4], None)
-    """
-    if max_dataset_length is None or max_dataset_length >= rows:
-        return None
-    return np.sort(np.random.default_rng(seed).permutation(rows)[:max_dataset_length])
-
 
 def apply_map_fn(dataset, map_fn: Callable, num_proc: int, source: str | None, report: PipelineReport,
                  role: str = "dataset_map_fn", none_drops: bool = False):
@@ -441,7 +401,7 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
                 rows_per_epoch=rows_per_epoch)
     if any(value is not None and value is not False for value in lazy.values()):
         from sfttool.dataset.lazy import lazy_dataset
-        return lazy_dataset(args, load_rows, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
+        return lazy_dataset(args, use_varlen_attn=use_varlen_attn, cache_dir=cache_dir, **lazy)
     if cache_dir is not None:
         from sfttool.dataset.cache import cached_pipeline
         return with_pixels(cached_pipeline(cache_dir, args, run_pipeline), args["processor"])
@@ -453,11 +413,3 @@ def process_hf_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=
 # The registry hands `dataset` over as its config, unbuilt: local JSON files are then checked line by
 # line before Arrow reads them, errors name the file, and the cache key hashes the files' content.
 process_hf_dataset.build_args_lazily = ("dataset",)
-
-
-def load_rows(dataset, split: str, max_dataset_length: int | None, seed: int, validate: bool = True):
-    """The rows the stages read, as ``run_pipeline`` loads them: built (local JSON checked line by line
-    unless not ``validate``), numbered, and ``max_dataset_length``'s seeded subset kept (``lazy_encode``
-    reads them from here)."""
-    dataset = resolve_dataset(dataset, split, validate)
-    return select_rows(number_rows(dataset), max_dataset_length, seed, PipelineReport())

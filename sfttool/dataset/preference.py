@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int
-from sfttool.dataset.pipeline import apply_map_fn, content_fingerprint, default_num_proc, log, number_rows, select_rows
+from sfttool.dataset.pipeline import apply_map_fn, content_fingerprint, log
+from sfttool.dataset.rows import default_num_proc, number_rows, select_rows
 from sfttool.dataset.preference_encode import COLUMNS, encode_pair_batch
 from sfttool.dataset.report import PipelineReport, change_lines, stage_recorder
 from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,

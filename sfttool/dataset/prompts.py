@@ -30,7 +30,8 @@ from sfttool.dataset.chat_encode import chat_renderer
 from sfttool.dataset.encode import encode_prompt
 from sfttool.dataset.tokens import batch_token_ids
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, check_positive_int, examples, where
-from sfttool.dataset.pipeline import apply_map_fn, default_num_proc, log, number_rows, select_rows
+from sfttool.dataset.pipeline import apply_map_fn, log
+from sfttool.dataset.rows import default_num_proc, number_rows, select_rows
 from sfttool.dataset.report import PipelineReport, change_lines, stage_recorder
 from sfttool.dataset.resolve import (dataset_config, prompt_template_or_chat_template, resolve_dataset, resolve_map_fn,
                                      source_name)

@@ -26,7 +26,7 @@ import numpy as np
 
 from sfttool.dataset.data_path import data_source, load_data_path
 from sfttool.dataset.errors import EXAMPLES, ROW_COLUMN, DatasetError, where
-from sfttool.dataset.pipeline import number_rows
+from sfttool.dataset.rows import number_rows
 from sfttool.dataset.report import PipelineReport
 from sfttool.dataset.resolve import resolve_dataset, source_name
 from sfttool.dataset.source import DataSource

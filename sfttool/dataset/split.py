@@ -19,7 +19,8 @@ import numpy as np
 
 from sfttool.dataset.data_path import data_source, load_data_path
 from sfttool.dataset.errors import DatasetError
-from sfttool.dataset.pipeline import log, number_rows
+from sfttool.dataset.pipeline import log
+from sfttool.dataset.rows import number_rows
 from sfttool.dataset.resolve import resolve_dataset
 from sfttool.registry import BUILDER
 

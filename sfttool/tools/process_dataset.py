@@ -29,7 +29,8 @@ from sfttool.dataset.image_rows import IMAGES_COLUMN
 from sfttool.dataset.images_stage import build_processor
 from sfttool.dataset.pack import packing_efficiency
 from sfttool.dataset.settings import LAZY_SETTINGS
-from sfttool.dataset.pipeline import number_rows, process_hf_dataset, select_rows
+from sfttool.dataset.pipeline import process_hf_dataset
+from sfttool.dataset.rows import number_rows, select_rows
 from sfttool.dataset.pixels import with_pixels
 from sfttool.dataset.report import PipelineReport, log
 from sfttool.dataset import resolve

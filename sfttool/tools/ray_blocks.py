@@ -3,7 +3,7 @@
 The driver reads no row: it lists where each row starts (a JSON Lines file's line offsets, a Parquet
 file's row counts) and cuts the rows, numbered across the files in order as ``number_rows`` numbers
 them, into contiguous blocks, as the local command cuts its shards (``datasets``' contiguous
-``shard``), after the same ``max_dataset_length`` subset (``pipeline.subset_indices``). A block names
+``shard``), after the same ``max_dataset_length`` subset (``rows.subset_indices``). A block names
 the files' byte or row ranges it spans, so a worker reads only its own rows::
 
     >>> blocks = plan_blocks('json', ['a.jsonl'], shard_rows=2, seed=0)   # 5 rows  # doctest: +SKIP
@@ -20,7 +20,7 @@ import numpy as np
 from sfttool.dataset.data_path import data_source
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
 from sfttool.dataset.load import expand_data_files
-from sfttool.dataset.pipeline import subset_indices
+from sfttool.dataset.rows import subset_indices
 from sfttool.dataset.resolve import rows_config
 from sfttool.registry import type_name
 

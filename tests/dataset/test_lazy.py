@@ -221,7 +221,7 @@ def test_a_pipeline_argument_lazy_encoding_does_not_know_is_refused_not_ignored(
     args = dict.fromkeys(PIPELINE_ARGS, None) | dict(rename_maps=[], do_dataset_tokenization=True,
                                                      pack_strategy="bfd", image_folder="images")
     with pytest.raises(DatasetError, match="^image_folder: not available with lazy_encode=True; remove lazy_encode$"):
-        lazy_dataset(args, None, True, None, None, None, False, None)
+        lazy_dataset(args, True, None, None, None, False, None)
 
 
 def test_a_bad_line_or_row_of_a_json_file_is_one_line_naming_it(tmp_path, tiny_tokenizer):

@@ -357,7 +357,7 @@ def test_mix_rounds_half_up_checks_ratios_and_logs_counts():
 
 
 def test_default_num_proc():
-    from sfttool.dataset.pipeline import default_num_proc
+    from sfttool.dataset.rows import default_num_proc
     cpus = os.cpu_count() or 1
     assert default_num_proc(100, 32) == 1
     assert default_num_proc(10**7, 32) == min(32, cpus)
