@@ -92,8 +92,9 @@ def byte_span_samples(encoded: Sequence[Sequence[int]], texts: Sequence[str],
     ids = np.fromiter(itertools.chain.from_iterable(encoded), np.int32, total)
     if total and int(ids.max()) >= len(byte_lengths):
         return None
-    ends = np.cumsum(byte_lengths[ids], dtype=np.int64)  # [tokens]: bytes numbered across the batch
-    starts = ends - byte_lengths[ids]
+    sizes_of_tokens = byte_lengths[ids]  # [tokens]
+    ends = np.cumsum(sizes_of_tokens, dtype=np.int64)  # [tokens]: bytes numbered across the batch
+    starts = ends - sizes_of_tokens
     ascii_text = [text.isascii() for text in texts]
     sizes = np.fromiter((len(t) if a else len(t.encode("utf-8")) for t, a in zip(texts, ascii_text)),
                         np.int64, len(texts))  # [samples]
