@@ -35,6 +35,7 @@ Each measurement runs in a fresh process pinned to 1, 2, ... cores
     python benchmarks/tokenizer_limit.py --rows 5000 --cores 1,2
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --template hf_chat_template
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --entry lazy=my_bench.py:run_lazy
+    python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --cases map_packed
 """
 from __future__ import annotations
 
@@ -72,8 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--entry", action="append", default=[], metavar="NAME=FILE.py:FUNCTION",
                    help="another encode entry point to measure: FUNCTION(tokenizer, data_file, max_length, packed, "
                         "template) -> tokens produced (FILE.py or an importable module); repeatable")
+    p.add_argument("--cases", default=",".join(CASES), help=f"the cases to run, comma-separated (default: all: "
+                   f"{', '.join(CASES)}); the limit always runs")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     for entry in args.entry:
         name, _, spec = entry.partition("=")
         if not name or ":" not in spec or name in ("limit", "map", "stream"):
@@ -272,7 +278,9 @@ def main(argv=None) -> int:
     with open(data_file, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
     entries = dict(entry.split("=", 1) for entry in args.entry)
-    cases = CASES + tuple(f"{name}_{layout}" for name in entries for layout in ("packed", "unpacked"))
+    chosen = set(args.cases.split(",")) | {"limit"}
+    cases = tuple(c for c in CASES if c in chosen) + tuple(f"{name}_{layout}" for name in entries
+                                                           for layout in ("packed", "unpacked"))
     results = []
     print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "
           f"{'load s':>6} {'after load':>10} {'tokenizer':>9} {'after load':>10}")

@@ -9,3 +9,6 @@ __version__ = "0.1.0"
 _compat.tokenizer_fork_safety()
 # Before anything imports bitsandbytes (peft does, with sfttool.model): its CPU kernel warning is noise here.
 _compat.quiet_bnb_cpu_kernel_warning()
+# And before bitsandbytes (or DeepSpeed's optimizers) is imported: their torch.compile calls at import would
+# import torch's inductor, seconds in every process.
+_compat.compile_on_first_call()

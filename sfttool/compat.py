@@ -201,6 +201,23 @@ def patch_mmengine_deepspeed_optimizers() -> None:
     mm_ds.register_deepspeed_optimizers = register_deepspeed_optimizers
 
 
+def no_deepspeed_cpu_shm_op() -> None:
+    """deepspeed 0.17-0.20 on its CPU accelerator compiles a shared-memory all-reduce op with the C++
+    compiler as its communication backend starts: 30-60 s at a machine's first DeepSpeed run (again for
+    each virtual environment, whose paths are in the build), under a lock every other DeepSpeed process
+    waits on. The op serves ``inference_all_reduce`` only (DeepSpeed's inference engine), which training
+    never calls, and without it DeepSpeed uses torch.distributed's all-reduce there. On CPU, skip it."""
+    if not _once("deepspeed_cpu_shm_op"):
+        return
+    try:  # by its full name: ``deepspeed.comm``'s own ``torch`` attribute (the torch package) hides it
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return
+    if hasattr(ds_torch, "build_shm_op") and get_accelerator().device_name() == "cpu":
+        ds_torch.build_shm_op = lambda: None
+
+
 def allow_mmengine_checkpoint_globals() -> None:
     """torch >= 2.6: ``torch.load`` defaults to ``weights_only=True`` and refuses
     the few non-tensor objects an mmengine checkpoint holds (the message hub's
@@ -373,6 +390,57 @@ def quiet_bnb_cpu_kernel_warning() -> None:
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+# Modules that call ``torch.compile`` on functions as they are imported (see ``compile_on_first_call``).
+COMPILING_AT_IMPORT = ("bitsandbytes", "deepspeed.runtime.zero.muon.original_muon")
+
+
+def compile_on_first_call() -> None:
+    """bitsandbytes 0.46-0.50 wraps its default kernels (blockwise and 4-bit dequantize, the 32-bit
+    optimizer update) in ``torch.compile`` as it is imported, and deepspeed 0.18-0.20 its Muon optimizer's
+    Newton-Schulz step, imported by every DeepSpeed run's optimizer check. Nothing is compiled before such
+    a function's first call, but the ``torch.compile`` call itself imports torch's inductor: 1.6 s of CPU
+    in every process that imports peft or mmengine's optimizers (both import bitsandbytes), each rank of
+    every run, though most runs never call those functions. While these modules are imported,
+    ``torch.compile`` of a function returns one that compiles it on its first call; a compile that fails
+    there gives the plain function, as bitsandbytes does when ``torch.compile`` fails at import."""
+    if _once("compile_on_first_call"):
+        for name in COMPILING_AT_IMPORT:
+            _IMPORT_HOOKS.during_import(name, _compiling_on_first_call)
+
+
+@contextlib.contextmanager
+def _compiling_on_first_call() -> Iterator[None]:
+    import inspect
+
+    import torch
+
+    compile_now = torch.compile
+
+    def compile_later(model: Any = None, **options: Any) -> Any:
+        if model is None:  # @torch.compile(...) with options
+            return lambda function: compile_later(function, **options)
+        if not inspect.isfunction(model):  # a module keeps torch.compile's own wrapper
+            return compile_now(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                try:
+                    compiled = compile_now(model, **options)
+                except Exception:
+                    compiled = model
+            return compiled(*args, **kwargs)
+        return call
+
+    torch.compile = compile_later
+    try:
+        yield
+    finally:
+        torch.compile = compile_now
+
+
 def _parallelism_requested() -> bool:
     """``TOKENIZERS_PARALLELISM`` read as the tokenizers library reads it: set, and not a "no" word."""
     value = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -502,40 +570,53 @@ def _quiet_transformers_progress_bars(module: ModuleType) -> None:
         module.set_tqdm_hook(hook)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs an action on a module right after its first import, for noise a library sets up as it is
-    imported, without importing it (transformers takes seconds) in commands that never use it."""
+class _ImportHooks(importlib.abc.MetaPathFinder):
+    """Runs code around a module's first import (inside its loader's ``exec_module``) or right after it,
+    for what a library does as it is imported, without importing it (transformers takes seconds) in
+    commands that never use it."""
 
     def __init__(self) -> None:
         self.actions: dict[str, Callable[[ModuleType], None]] = {}
+        self.contexts: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        action = self.actions.pop(name, None)
-        if action is None:
+        action, context = self.actions.pop(name, None), self.contexts.pop(name, None)
+        if action is None and context is None:
             return None
         for finder in sys.meta_path:
             spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
                 load = spec.loader.exec_module
 
-                def exec_then_act(module: ModuleType) -> None:
-                    load(module)
-                    action(module)
+                def exec_module(module: ModuleType) -> None:
+                    with context() if context is not None else contextlib.nullcontext():
+                        load(module)
+                    if action is not None:
+                        action(module)
 
-                spec.loader.exec_module = exec_then_act
+                spec.loader.exec_module = exec_module
                 return spec
         return None
+
+    def _watch(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
 
     def after_import(self, name: str, action: Callable[[ModuleType], None]) -> None:
         if name in sys.modules:
             action(sys.modules[name])
         else:
             self.actions[name] = action
-            if self not in sys.meta_path:
-                sys.meta_path.insert(0, self)
+            self._watch()
+
+    def during_import(self, name: str, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """``with context(): <the module's code>`` at its first import; nothing if it is imported already."""
+        if name not in sys.modules:
+            self.contexts[name] = context
+            self._watch()
 
 
-_AFTER_IMPORT = _AfterImport()
+_IMPORT_HOOKS = _ImportHooks()
 
 
 def quiet_library_noise() -> None:
@@ -565,7 +646,7 @@ def quiet_library_noise() -> None:
     logging.getLogger("kernels._internals.hf_hub").addFilter(
         _DropMessages("Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"))
     logging.getLogger("transformers.modeling_utils").addFilter(_OneLineLoadReport())
-    _AFTER_IMPORT.after_import("transformers.utils.logging", _quiet_transformers_progress_bars)
+    _IMPORT_HOOKS.after_import("transformers.utils.logging", _quiet_transformers_progress_bars)
     warnings.filterwarnings("ignore", message=r"Detected call of `(lr_)?scheduler\.step\(\)` before "
                                               r"`optimizer\.step\(\)`", category=UserWarning)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -617,7 +698,7 @@ def processors_without_torchvision() -> None:
         return
     # on import only: transformers.processing_utils pulls in torch and the modelling code (seconds), which
     # config loading and the light commands should not pay for
-    _AFTER_IMPORT.after_import("transformers.processing_utils", _patch_processors_without_video)
+    _IMPORT_HOOKS.after_import("transformers.processing_utils", _patch_processors_without_video)
 
 
 def _patch_processors_without_video(processing_utils: ModuleType) -> None:
@@ -765,6 +846,7 @@ def apply_training() -> None:
     loading and the light subcommands should not pay for."""
     apply_all()
     patch_mmengine_deepspeed_optimizers()
+    no_deepspeed_cpu_shm_op()
     allow_mmengine_checkpoint_globals()
     patch_history_buffer_pickling()  # keeps `getattr` off the weights_only allow-list
     patch_mmengine_unique_run_folders()

