@@ -43,13 +43,24 @@ def example_conversation(row: dict, source: str | None) -> list[dict]:
     if not isinstance(row.get("label"), bool):
         raise DatasetError(f"{where(number, source, 'label')}: expected true (desirable) or false (undesirable), "
                            f"got {row.get('label')!r:.40}")
-    prompt, completion = row.get("prompt"), row.get("completion")
+    prompt = row.get("prompt")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    if isinstance(completion, str):
-        completion = [{"role": "assistant", "content": completion}]
+    completion = _completion(row.get("completion"), number, source)
     conversation, _ = pair_conversations(prompt, completion, completion, number, source)
     return conversation
+
+
+def _completion(value: Any, number: int | None, source: str | None) -> list[dict]:
+    """A row's completion as one assistant message (a string is its content)."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    messages = [value] if isinstance(value, dict) else value
+    if not (isinstance(messages, list) and len(messages) == 1 and isinstance(messages[0], dict)
+            and messages[0].get("role") == "assistant" and isinstance(messages[0].get("content"), str)):
+        raise DatasetError(f"{where(number, source, 'completion')}: expected a string or one assistant message "
+                           f"{{'role': 'assistant', 'content': ...}}, got {value!r:.80}")
+    return messages
 
 
 def encode_kto_batch(batch: dict[str, list], tokenizer, max_length: int, template: Any, source: str | None):
@@ -88,6 +99,14 @@ def build_kto_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=N
     template = prompt_template_or_chat_template(prompt_template)
     tokenizer = build_if_config(tokenizer, "tokenizer")
     rows = number_rows(resolve_dataset(dataset_config(dataset), split))
+    _, encoded = encode_kto_rows(rows, tokenizer, max_length, dataset_map_fn, template, num_proc, source)
+    return _counted(encoded, len(rows), max_length)
+
+
+def encode_kto_rows(rows, tokenizer, max_length: int, dataset_map_fn=None, template: Any = None,
+                    num_proc: int | None = None, source: str | None = None):
+    """Numbered rows -> (the rows after the map fn, every row encoded with its ``note`` and ``drop``):
+    ``build_kto_dataset``'s steps before the counts, which ``check-custom-dataset`` prints."""
     rows_in = len(rows)
     map_fn = resolve_map_fn(dataset_map_fn)
     if map_fn is not None:
@@ -100,7 +119,7 @@ def build_kto_dataset(dataset, tokenizer=None, max_length=None, dataset_map_fn=N
     encoded = rows.map(encode_kto_batch, batched=True, remove_columns=rows.column_names,
                        num_proc=default_num_proc(rows_in, num_proc), desc="Tokenizing KTO examples",
                        fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, template=template, source=source))
-    return _counted(encoded, rows_in, max_length)
+    return rows, encoded
 
 
 # The registry hands `dataset` over unbuilt: its local JSON files are checked line by line before Arrow

@@ -38,6 +38,7 @@ from sfttool.dataset.source_stages import KEEP_COLUMN, filter_batch, load_source
 from sfttool.dataset.stages import SafeMapFn, map_rows, missing_conversation
 from sfttool.dataset.template_check import template_warnings
 from sfttool.registry import build_if_config, resolve_type, type_name
+from sfttool.tools.check_kto import check_kto, is_kto_node
 from sfttool.tools.check_preference import check_preference, is_preference_node
 from sfttool.tools.check_prompts import check_prompts, is_prompt_node
 from sfttool.tools.check_source import load_every_row, load_trained_part
@@ -253,6 +254,8 @@ def check_dataset(config: str, cfg_options=None, max_errors: int = 10, echo: Ech
     batch_size = cfg.get("train_dataloader", {}).get("batch_size")
     if is_preference_node(node):
         check_preference(node, findings, max_errors, echo, color, batch_size)
+    elif is_kto_node(node):
+        check_kto(node, findings, max_errors, echo, color, batch_size)
     elif is_prompt_node(node):
         check_prompts(node, findings, max_errors, echo, color, batch_size)
     elif resolve_type(node["type"], "train_dataloader.dataset.type") in (process_data_sources, StreamingDataSources):
@@ -273,8 +276,8 @@ def _plain(node: Any, key: str) -> dict:
     if not isinstance(node, dict) or "type" not in node or not is_process_hf_dataset(node):
         kind = type_name(node.get("type")) if isinstance(node, dict) else type(node).__name__
         raise DatasetError(f"{key} is {kind}; check-custom-dataset checks process_hf_dataset (alone or inside "
-                           "mix_datasets), process_data_sources, StreamingDataSources, build_preference_dataset and "
-                           "build_prompt_dataset datasets, not this one yet")
+                           "mix_datasets), process_data_sources, StreamingDataSources, build_preference_dataset, "
+                           "build_kto_dataset and build_prompt_dataset datasets, not this one yet")
     return dict(node.items())
 
 

@@ -32,7 +32,7 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  "qwen2_5_7b_instruct_lora_dpo_ultrafeedback_e1",
                  "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1", "llama3_1_8b_instruct_lora_dpo_ultrafeedback_e1",
                  "llama3_1_8b_instruct_qlora_dpo_ultrafeedback_e1", "qwen2_5_7b_instruct_qlora_orpo_ultrafeedback_e1",
-                 "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1",
+                 "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1", "qwen2_5_7b_instruct_lora_kto_mix14k_e1",
                  # long context: sequence parallelism (docs/long_context.md)
                  "qwen2_5_7b_instruct_qlora_32k_sp4_custom_json_e3",
                  # online RL from rewards (docs/rl.md)
@@ -156,7 +156,7 @@ def test_config_reads_top_to_bottom_in_five_parts(path):
 
 
 TECHNIQUES = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
-OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "reward": "reward model", "grpo": "GRPO"}
+OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "kto": "KTO", "reward": "reward model", "grpo": "GRPO"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -225,6 +225,8 @@ PART_3_TO_5_REFERENCES = {
     "DPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
     "ORPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_dpo_ultrafeedback_e1.py",
     "RewardModel": CONFIG_DIR / "qwen2_5_7b_instruct_lora_reward_ultrafeedback_e1.py",
+    # KTO: unpaired rows, each micro-batch its own KL baseline, so no validation
+    "KTO": CONFIG_DIR / "qwen2_5_7b_instruct_lora_kto_mix14k_e1.py",
     "GRPO": CONFIG_DIR / "qwen2_5_7b_instruct_qlora_grpo_gsm8k_e1.py",
     # image-text SFT: a processor renders the rows, a sample answer is about an image
     "SupervisedFinetune (image-text)": CONFIG_DIR / "qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1.py",
@@ -248,7 +250,7 @@ def test_parts_3_to_5_are_the_same_in_every_builtin_config_of_a_family(path):
 def test_the_families_have_different_references():
     # Two references that were equal would be one family: keep the mapping honest.
     texts = {ref: _parts_3_to_5(ref) for ref in PART_3_TO_5_REFERENCES.values()}
-    assert len(set(texts.values())) == len(texts) == 5
+    assert len(set(texts.values())) == len(texts) == 6
 
 
 def _chat_hooks(cfg) -> list[dict]:

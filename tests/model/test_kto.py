@@ -276,3 +276,63 @@ def test_two_ranks_sharing_each_row_train_like_one_rank(tmp_path, tiny_qwen2_dir
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_shipped_kto_config_trains_on_tiny_assets(tmp_path, tiny_qwen2_dir):
+    """`qwen2_5_7b_instruct_lora_kto_mix14k_e1` pointed at a tiny model and a local file the way a user would
+    (PART 1 settings from the command line): its rows load, encode and train two optimizer steps."""
+    from sfttool.engine.train import train
+
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in unpaired_rows(12, seed=9)))
+    options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={data}", "data_split=train",
+               "max_length=128", "model.llm.dtype=float32", "batch_size=2", "accumulative_counts=2",
+               "evaluation_max_new_tokens=2", "report_to=[]", "log_interval=1"]
+    work = train("qwen2_5_7b_instruct_lora_kto_mix14k_e1", work_dir=str(tmp_path / "work"), cfg_options=options,
+                 max_steps=2)
+    (scalars,) = work.rglob("scalars.json")
+    steps = [json.loads(line) for line in scalars.read_text().splitlines()]
+    assert len(steps) == 2 and all({"loss", "kl", "rewards/chosen", "rewards/rejected"} <= set(s) for s in steps)
+    assert steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # the policy starts as the reference
+    log = next(work.rglob("*.log")).read_text()
+    assert "KTO data: 12 rows in, 12 examples out (8 desirable, 4 undesirable)" in log
+    assert (work / "hf_adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_check_custom_dataset_shows_an_example_and_the_counts_of_a_kto_config(tmp_path, tiny_qwen2_dir):
+    from transformers import AutoTokenizer
+
+    from sfttool.tools.check_dataset import check_dataset
+
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in unpaired_rows(10)))
+    lines: list[str] = []
+    options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={data}", "max_length=24"]
+    assert check_dataset("qwen2_5_7b_instruct_lora_kto_mix14k_e1", options, echo=lines.append) == 0
+    out = "\n".join(lines)
+    encoded = kto_examples(AutoTokenizer.from_pretrained(tiny_qwen2_dir), unpaired_rows(10), max_length=24)
+    desirable = sum(encoded["kto_label"])
+    assert f"rows in: 10   examples: 10 ({desirable} desirable, {10 - desirable} undesirable)" in out
+    assert "== example 0 (undesirable: " in out and "[MASKED:<|im_start|>user" in out  # row 0's label is false
+    cut = sum(length == 24 for length in encoded["length"])
+    assert cut > 0 and f"over max_length=24: {cut} examples (completion cut at max_length)" in out
+    assert "iterations per epoch (batch_size=4, one process): 3" in out and out.endswith("OK: 0 errors, 0 warnings")
+
+
+def test_check_custom_dataset_lists_every_bad_kto_row(tmp_path, tiny_qwen2_dir):
+    from sfttool.tools.check_dataset import check_dataset
+
+    rows = unpaired_rows(6)
+    rows[2]["label"] = "yes"
+    del rows[4]["completion"]
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines: list[str] = []
+    options = [f"pretrained_model_name_or_path={tiny_qwen2_dir}", f"data_path={data}"]
+    assert check_dataset("qwen2_5_7b_instruct_lora_kto_mix14k_e1", options, echo=lines.append) == 1
+    out = "\n".join(lines)
+    assert f"{data}, row 2, field 'label': expected true (desirable) or false (undesirable), got 'yes'" in out
+    assert (f"{data}, row 4, field 'completion': expected a string or one assistant message "
+            "{'role': 'assistant', 'content': ...}, got None") in out
+    assert "== statistics ==" not in out  # nothing is encoded from a set with bad rows

@@ -366,12 +366,12 @@ def test_streamed_data_sources_are_checked_eagerly(tmp_path, tiny_tokenizer_dir)
 def test_a_dataset_builder_it_cannot_check_is_named_with_those_it_can(tmp_path):
     from sfttool.dataset.errors import DatasetError
     from sfttool.tools.check_dataset import check_dataset
-    path = tmp_path / "kto.py"
-    path.write_text("from sfttool.dataset.kto import build_kto_dataset\n"
-                    "train_dataloader = dict(batch_size=1, dataset=dict(type=build_kto_dataset, dataset=None))\n")
-    with pytest.raises(DatasetError, match=r"train_dataloader.dataset is build_kto_dataset; "
+    path = tmp_path / "own.py"
+    path.write_text("def my_rows(dataset=None):\n    return dataset\n"
+                    "train_dataloader = dict(batch_size=1, dataset=dict(type=my_rows, dataset=None))\n")
+    with pytest.raises(DatasetError, match=r"train_dataloader.dataset is my_rows; "
                                            r"check-custom-dataset checks process_hf_dataset \(alone or inside "
                                            r"mix_datasets\), process_data_sources, StreamingDataSources, "
-                                           r"build_preference_dataset and build_prompt_dataset datasets, not this "
-                                           r"one yet"):
+                                           r"build_preference_dataset, build_kto_dataset and build_prompt_dataset "
+                                           r"datasets, not this one yet"):
         check_dataset(str(path), echo=lambda line: None)
