@@ -11,11 +11,11 @@ from sfttool.dataset.config_node import is_built_by, pipeline_args
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.kto import (DROP_PROMPT_TOO_LONG, KTO_FIELDS, NOTE_CUT, build_kto_dataset, encode_kto_rows,
                                  example_conversation)
-from sfttool.dataset.resolve import prompt_template_or_chat_template, resolve_map_fn, source_name
+from sfttool.dataset.resolve import prompt_template_or_chat_template, source_name
 from sfttool.dataset.rows import number_rows
 from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
-from sfttool.tools.check_source import load_every_row, load_trained_part
+from sfttool.tools.check_source import checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 
@@ -80,23 +80,13 @@ def check_kto(node: dict, findings: Findings, max_errors: int, echo: Echo, color
               batch_size: int | None) -> None:
     """All checks and printouts for one build_kto_dataset node."""
     args = pipeline_args(node, build_kto_dataset)
-    errors_before = findings.count()
-    source = args["source"] or source_name(args["dataset"])
-    every = load_every_row(args["dataset"], args["split"], findings, echo)
-    if every is None:
-        return
-    map_fn = resolve_map_fn(args["dataset_map_fn"])
-    echo(f"Validating all {len(every)} rows ...")
-    check_kto_rows(every, map_fn, source, findings, max_errors)
-    if findings.count() > errors_before:
-        return
-    raw = load_trained_part(args["dataset"], every, args["split"], findings, echo)
+    raw = checked_rows(args, check_kto_rows, findings, max_errors, echo)
     if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     rows = number_rows(raw)
     template = prompt_template_or_chat_template(args["prompt_template"])
     result = guard(findings, encode_kto_rows, rows, tokenizer, args["max_length"], args["dataset_map_fn"], template,
-                   args["num_proc"], source)
+                   args["num_proc"], args["source"] or source_name(args["dataset"]))
     if result is not None:
         print_kto(rows, result[0], result[1], tokenizer, args["max_length"], batch_size, echo, color)

@@ -12,10 +12,10 @@ from sfttool.dataset.config_node import is_built_by, pipeline_args
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.preference import build_preference_dataset, reward_token, run_preference_pipeline
 from sfttool.dataset.preference_encode import pair_conversations
-from sfttool.dataset.resolve import resolve_map_fn, source_name
+from sfttool.dataset.resolve import source_name
 from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
-from sfttool.tools.check_source import load_every_row, load_trained_part
+from sfttool.tools.check_source import checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
 from sfttool.tools.masked_view import legend, show_masked, shorten
 
@@ -85,17 +85,8 @@ def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo
                      batch_size: int | None) -> None:
     """All checks and printouts for one build_preference_dataset node."""
     args = pipeline_args(node, build_preference_dataset)
-    errors_before = findings.count()
     source = args["source"] or source_name(args["dataset"])
-    every = load_every_row(args["dataset"], args["split"], findings, echo)
-    if every is None:
-        return
-    map_fn = resolve_map_fn(args["dataset_map_fn"])
-    echo(f"Validating all {len(every)} rows ...")
-    check_pair_rows(every, map_fn, source, findings, max_errors)
-    if findings.count() > errors_before:
-        return
-    raw = load_trained_part(args["dataset"], every, args["split"], findings, echo)
+    raw = checked_rows(args, check_pair_rows, findings, max_errors, echo)
     if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")

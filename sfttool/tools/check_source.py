@@ -4,10 +4,10 @@ checked line by line first, then the rows. A node whose rows are a part of other
 the held-out rows too, and row numbers stay those of the loaded data."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from sfttool.dataset.load import check_json_file
-from sfttool.dataset.resolve import json_source_files, resolve_dataset, rows_config
+from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, rows_config, source_name
 from sfttool.tools.findings import Echo, Findings, guard
 
 
@@ -35,3 +35,18 @@ def load_trained_part(dataset_cfg: Any, every: Any, split: str, findings: Findin
         echo(f"{len(every) - len(part)} of the {len(every)} rows are held out for validation: every row was "
              f"validated, the statistics below are of the {len(part)} rows trained on")
     return part
+
+
+def checked_rows(args: dict, check_rows: Callable, findings: Findings, max_errors: int, echo: Echo) -> Any:
+    """The rows a node trains on, once every row its data holds passed ``check_rows(rows, map_fn, source,
+    findings, max_errors)`` (which records each bad row); None after an error."""
+    errors_before = findings.count()
+    every = load_every_row(args["dataset"], args["split"], findings, echo)
+    if every is None:
+        return None
+    echo(f"Validating all {len(every)} rows ...")
+    check_rows(every, resolve_map_fn(args["dataset_map_fn"]), args["source"] or source_name(args["dataset"]),
+               findings, max_errors)
+    if findings.count() > errors_before:
+        return None
+    return load_trained_part(args["dataset"], every, args["split"], findings, echo)
