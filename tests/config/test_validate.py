@@ -173,6 +173,6 @@ def test_train_stops_at_a_clip_grad_typo_before_the_data_is_loaded(recorded_load
                                       "train_dataloader.dataset.dataset.type=recording_loader",
                                       "optim_wrapper.clip_grad.max_nrom=1"])
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.output.endswith(f"optim_wrapper.clip_grad.max_nrom: clip_grad_norm_ takes no argument `max_nrom` "
+    assert result.output.endswith("optim_wrapper.clip_grad.max_nrom: clip_grad_norm_ takes no argument `max_nrom` "
                                   "(did you mean max_norm?)\n")
     assert recorded_loads == [] and not work_dir.exists()
