@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"{', '.join(CASES)}); the limit always runs")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    args.cases = set(args.cases.split(",")) | {"limit"}
+    unknown = sorted(args.cases - set(CASES))
     if unknown:
         p.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     for entry in args.entry:
@@ -278,8 +279,7 @@ def main(argv=None) -> int:
     with open(data_file, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
     entries = dict(entry.split("=", 1) for entry in args.entry)
-    chosen = set(args.cases.split(",")) | {"limit"}
-    cases = tuple(c for c in CASES if c in chosen) + tuple(f"{name}_{layout}" for name in entries
+    cases = tuple(c for c in CASES if c in args.cases) + tuple(f"{name}_{layout}" for name in entries
                                                            for layout in ("packed", "unpacked"))
     results = []
     print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "

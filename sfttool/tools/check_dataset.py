@@ -43,7 +43,7 @@ from sfttool.tools.check_preference import check_preference, is_preference_node
 from sfttool.tools.check_prompts import check_prompts, is_prompt_node
 from sfttool.tools.check_source import load_every_row, load_trained_part
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, finish, guard
-from sfttool.tools.masked_view import legend, show_masked, shorten
+from sfttool.tools.masked_view import legend, length_line, show_masked, shorten
 from sfttool.utils.constants import IGNORE_INDEX
 
 
@@ -220,8 +220,7 @@ def print_stats(report, args: dict, batch_size: int | None, echo: Echo) -> None:
     for line in split_lines(report) + drop_lines(report) + image_lines(report.stages.get("encoded")):
         echo(line)
     if len(lengths):
-        p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
-        echo(f"sample length (tokens): min {lengths.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {lengths.max()}")
+        echo(length_line("sample length (tokens)", lengths))
         echo(f"truncated at max_length={args['max_length']}: {report.truncated} samples "
              f"({100 * report.truncated / max(1, report.encoded):.1f}% of {report.encoded} encoded)")
         echo(f"trained tokens: {report.trained_tokens} of {report.tokens} "

@@ -17,7 +17,7 @@ from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
 from sfttool.tools.check_source import checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
-from sfttool.tools.masked_view import legend, show_masked, shorten
+from sfttool.tools.masked_view import legend, length_line, show_masked, shorten
 
 
 def is_kto_node(node: Any) -> bool:
@@ -30,8 +30,6 @@ def check_kto_rows(dataset, map_fn, source: str | None, findings: Findings, max_
 
     def check(row: dict, index: int) -> None:
         row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
-        if row is None:  # the map fn dropped it, as training does
-            return
         missing = [f for f in KTO_FIELDS if f not in row]
         if missing:
             raise DatasetError(f"{where(index, source)}: no {', '.join(missing)}; set a dataset_map_fn for this "
@@ -57,8 +55,6 @@ def print_kto(rows, mapped, encoded, tokenizer, max_length: int, batch_size: int
     kept = [label for label, drop in zip(labels, drops) if not drop]
     echo("\n== statistics ==")
     echo(f"rows in: {len(rows)}   examples: {len(kept)} ({sum(kept)} desirable, {len(kept) - sum(kept)} undesirable)")
-    if len(encoded) < len(rows):
-        echo(f"dropped by dataset_map_fn: {len(rows) - len(encoded)} rows")
     if drops.count(DROP_PROMPT_TOO_LONG):
         echo(f"dropped: {drops.count(DROP_PROMPT_TOO_LONG)} rows ({DROP_PROMPT_TOO_LONG}, max_length={max_length})")
     if notes.count(NOTE_CUT):
@@ -67,9 +63,7 @@ def print_kto(rows, mapped, encoded, tokenizer, max_length: int, batch_size: int
         table = encoded.with_format("arrow")[:]
         keep = np.asarray([not drop for drop in drops])
         for name, label in (("prompt_length", "prompt length"), ("length", "example length (prompt + completion)")):
-            values = np.asarray(table[name].to_numpy())[keep]
-            p = np.percentile(values, [50, 90, 99]).round().astype(int)
-            echo(f"{label} (tokens): min {values.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {values.max()}")
+            echo(length_line(f"{label} (tokens)", np.asarray(table[name].to_numpy())[keep]))
         if batch_size:
             echo(f"iterations per epoch (batch_size={batch_size}, one process): {-(-len(kept) // batch_size)}")
         if len(kept) - sum(kept) == 0 or sum(kept) == 0:
@@ -80,13 +74,14 @@ def check_kto(node: dict, findings: Findings, max_errors: int, echo: Echo, color
               batch_size: int | None) -> None:
     """All checks and printouts for one build_kto_dataset node."""
     args = pipeline_args(node, build_kto_dataset)
-    raw = checked_rows(args, check_kto_rows, findings, max_errors, echo)
+    source = args["source"] or source_name(args["dataset"])
+    raw = checked_rows(args, source, check_kto_rows, findings, max_errors, echo)
     if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     rows = number_rows(raw)
     template = prompt_template_or_chat_template(args["prompt_template"])
     result = guard(findings, encode_kto_rows, rows, tokenizer, args["max_length"], args["dataset_map_fn"], template,
-                   args["num_proc"], args["source"] or source_name(args["dataset"]))
+                   args["num_proc"], source)
     if result is not None:
         print_kto(rows, result[0], result[1], tokenizer, args["max_length"], batch_size, echo, color)

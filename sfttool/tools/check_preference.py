@@ -17,7 +17,7 @@ from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
 from sfttool.tools.check_source import checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
-from sfttool.tools.masked_view import legend, show_masked, shorten
+from sfttool.tools.masked_view import legend, length_line, show_masked, shorten
 
 
 def is_preference_node(node: Any) -> bool:
@@ -69,10 +69,8 @@ def print_preference_stats(report, args: dict, batch_size: int | None, echo: Ech
     if encoded is not None and len(encoded):
         table = encoded.with_format("arrow")[:]
         for name in ("prompt_tokens", "length"):
-            values = np.asarray(table[name].to_numpy())
-            p = np.percentile(values, [50, 90, 99]).round().astype(int)
             label = "prompt length" if name == "prompt_tokens" else "pair length (chosen + rejected)"
-            echo(f"{label} (tokens): min {values.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {values.max()}")
+            echo(length_line(f"{label} (tokens)", np.asarray(table[name].to_numpy())))
     if report.capacity:
         echo(f"packing: {report.pairs} pairs -> {report.rows_out} rows of <= {args['max_packed_length']} tokens, "
              f"efficiency {100 * report.tokens / report.capacity:.1f}%")
@@ -86,7 +84,7 @@ def check_preference(node: dict, findings: Findings, max_errors: int, echo: Echo
     """All checks and printouts for one build_preference_dataset node."""
     args = pipeline_args(node, build_preference_dataset)
     source = args["source"] or source_name(args["dataset"])
-    raw = checked_rows(args, check_pair_rows, findings, max_errors, echo)
+    raw = checked_rows(args, source, check_pair_rows, findings, max_errors, echo)
     if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")

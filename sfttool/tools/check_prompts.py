@@ -17,7 +17,7 @@ from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_
 from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
 from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
-from sfttool.tools.masked_view import shorten
+from sfttool.tools.masked_view import length_line, shorten
 
 SHOWN_PROMPTS = 3
 
@@ -62,9 +62,8 @@ def print_prompt_stats(dataset, report, args: dict, batch_size: int | None, echo
              f"{args['max_prompt_length']} tokens")
     lengths = np.asarray(dataset["prompt_tokens"])
     if len(lengths):
-        p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
-        echo(f"prompt length (tokens, before any truncation): min {lengths.min()}  p50 {p[0]}  p90 {p[1]}  "
-             f"p99 {p[2]}  max {lengths.max()}  (max_prompt_length={args['max_prompt_length']})")
+        echo(f"{length_line('prompt length (tokens, before any truncation)', lengths)}  "
+             f"(max_prompt_length={args['max_prompt_length']})")
     if batch_size:
         echo(f"generation rounds per epoch (batch_size={batch_size} prompts per round, one process): "
              f"{-(-report.prompts // batch_size)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sfttool.dataset.load import check_json_file
-from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, rows_config, source_name
+from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, rows_config
 from sfttool.tools.findings import Echo, Findings, guard
 
 
@@ -37,7 +37,8 @@ def load_trained_part(dataset_cfg: Any, every: Any, split: str, findings: Findin
     return part
 
 
-def checked_rows(args: dict, check_rows: Callable, findings: Findings, max_errors: int, echo: Echo) -> Any:
+def checked_rows(args: dict, source: str | None, check_rows: Callable, findings: Findings, max_errors: int,
+                 echo: Echo) -> Any:
     """The rows a node trains on, once every row its data holds passed ``check_rows(rows, map_fn, source,
     findings, max_errors)`` (which records each bad row); None after an error."""
     errors_before = findings.count()
@@ -45,8 +46,7 @@ def checked_rows(args: dict, check_rows: Callable, findings: Findings, max_error
     if every is None:
         return None
     echo(f"Validating all {len(every)} rows ...")
-    check_rows(every, resolve_map_fn(args["dataset_map_fn"]), args["source"] or source_name(args["dataset"]),
-               findings, max_errors)
+    check_rows(every, resolve_map_fn(args["dataset_map_fn"]), source, findings, max_errors)
     if findings.count() > errors_before:
         return None
     return load_trained_part(args["dataset"], every, args["split"], findings, echo)

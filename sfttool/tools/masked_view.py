@@ -1,5 +1,5 @@
-"""Rows shown as text: trained text plain, masked text marked, long values shortened. Shared by
-the SFT and the preference checks.
+"""Rows shown as text: trained text plain, masked text marked, long values shortened, lengths summarised.
+Shared by the SFT, preference, KTO and prompt checks.
 
     >>> show_masked([1, 2, 3], [-100, 2, 3], tok)   # doctest: +SKIP
     '[MASKED:<|im_start|>user\\nhi]hello<|im_end|>'
@@ -7,6 +7,8 @@ the SFT and the preference checks.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from sfttool.utils.constants import IGNORE_INDEX
 
@@ -62,3 +64,13 @@ def shorten(value: Any, limit: int = 600) -> str:
     """``repr(value)``, cut at ``limit`` characters with the full length said."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def length_line(label: str, lengths) -> str:
+    """``label: min ..  p50 ..  p90 ..  p99 ..  max ..`` of a non-empty array of lengths.
+
+    >>> length_line("sample length (tokens)", np.array([3, 5, 9]))
+    'sample length (tokens): min 3  p50 5  p90 8  p99 9  max 9'
+    """
+    p = np.percentile(lengths, [50, 90, 99]).round().astype(int)
+    return f"{label}: min {lengths.min()}  p50 {p[0]}  p90 {p[1]}  p99 {p[2]}  max {lengths.max()}"
