@@ -43,8 +43,10 @@ def main(model_dir: str, out_dir: str) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
+    from sfttool import compat
     from sfttool.model import SupervisedFinetune
 
+    compat.apply_training()  # as `sfttool train` does: no 30-60 s JIT build of DeepSpeed's CPU shm op among them
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
