@@ -42,3 +42,19 @@ def test_a_backend_that_would_pad_goes_through_transformers(tiny_tokenizer_dir):
 def test_one_text_at_a_time_equals_the_batch(tiny_tokenizer_dir, text):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     assert batch_token_ids(tok, [text]) == [batch_token_ids(tok, TEXTS)[TEXTS.index(text)]]
+
+
+def test_a_batch_longer_than_a_chunk_is_encoded_in_order(tiny_tokenizer_dir, monkeypatch):
+    """The backend is called on slices of about ``CHUNK_CHARACTERS`` characters: several calls give the
+    ids and offsets of one call, text by text in order."""
+    from sfttool.dataset import tokens
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    texts = TEXTS * 7
+    whole = batch_token_ids(tok, texts), batch_token_ids(tok, texts, with_offsets=True)
+    monkeypatch.setattr(tokens, "CHUNK_CHARACTERS", 100)
+    chunks = list(tokens.text_chunks(texts, 100))
+    assert len(chunks) > 7 and [t for chunk in chunks for t in chunk] == texts
+    # each slice ends at the text that takes it to 100 characters (a longer text is a slice of its own)
+    assert all(sum(map(len, c)) >= 100 > sum(map(len, c[:-1])) for c in chunks[:-1])
+    assert (tokens.batch_token_ids(tok, texts), tokens.batch_token_ids(tok, texts, with_offsets=True)) == whole
