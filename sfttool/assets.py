@@ -305,7 +305,7 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     """Save a random-initialised tiny vision-language checkpoint (an image-text-to-text class, loaded by
     ``AutoModelForImageTextToText``) with the tokenizer beside it: ``qwen2_5_vl`` (multimodal rotary
     positions), ``gemma3`` or ``llava`` (a Llama language model and a CLIP vision tower). Its vocabulary is
-    the tokenizer's plus the image tokens at the end. ``qwen2_5_vl`` and ``llava`` come with their processor
+    the tokenizer's plus the image tokens (and Gemma 3's turn markers) at the end. Each comes with its processor
     (``AutoProcessor.from_pretrained(save_dir)``), whose chat template the tokenizer shares."""
     import torch
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig,
@@ -327,8 +327,11 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
             tie_word_embeddings=False, **ids)
         cls = Qwen2_5_VLForConditionalGeneration
     elif arch == "gemma3":
+        # one sliding-window layer and one global one, as Gemma 3 interleaves them (5:1 in the real models);
+        # the window is longer than an image's tokens and shorter than the samples
         config = Gemma3Config(
-            text_config=dict(text, head_dim=16, sliding_window=16),
+            text_config=dict(text, vocab_size=n + 5, head_dim=16, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"]),
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                image_size=28, patch_size=14),
             mm_tokens_per_image=4, image_token_index=n, boi_token_index=n + 1, eoi_token_index=n + 2, **ids)
@@ -345,23 +348,29 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
         raise ValueError(f"arch must be one of {', '.join(VLM_ARCHS)}, got {arch!r}")
     torch.manual_seed(seed)
     model = cls(config)
+    if arch == "gemma3":  # transformers starts the projection at zeros: images would reach nothing, train nothing
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight,
+                              std=config.initializer_range)
     save_dir = Path(save_dir)
     model.save_pretrained(save_dir)
-    if arch in VLM_PROCESSORS:
-        # the image tokens join the vocabulary at the ids the config gives them (n, n + 1, ...)
-        tokenizer.add_special_tokens({"additional_special_tokens": list(VLM_PROCESSORS[arch]["tokens"])},
-                                     replace_extra_special_tokens=False)
-        # one chat template for both, as the released checkpoints have (they share chat_template.jinja)
-        tokenizer.chat_template = VLM_PROCESSORS[arch]["chat_template"]
-        _tiny_processor(arch, tokenizer).save_pretrained(save_dir)  # the tokenizer with it
-    else:
-        tokenizer.save_pretrained(save_dir)
+    named = VLM_PROCESSORS[arch].get("named_tokens")
+    if named:  # Gemma 3's processor reads its image tokens from the tokenizer's attributes (tokenizer.boi_token)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens=named)
+    # the image tokens join the vocabulary at the ids the config gives them (n, n + 1, ...)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VLM_PROCESSORS[arch]["tokens"])},
+                                 replace_extra_special_tokens=False)
+    # one chat template for both, as the released checkpoints have (they share chat_template.jinja)
+    tokenizer.chat_template = VLM_PROCESSORS[arch]["chat_template"]
+    _tiny_processor(arch, tokenizer, config).save_pretrained(save_dir)  # the tokenizer with it
     return save_dir
 
 
 # The official chat templates' structure, shortened: Qwen2.5-VL's ChatML with content parts (an image
 # becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to one pad per merged
-# patch), and llava-1.5-hf's "USER: <image>\n... ASSISTANT: ..." (images first in each turn).
+# patch), llava-1.5-hf's "USER: <image>\n... ASSISTANT: ..." (images first in each turn), and Gemma 3's
+# turns (the system prompt folded into the first user turn, the assistant's role named "model", text parts
+# trimmed, an image <start_of_image>, which the processor expands to
+# "\n\n<start_of_image>" + <image_soft_token> per image token + "<end_of_image>\n\n").
 QWEN2_5_VL_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
@@ -387,17 +396,44 @@ LLAVA_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set content = messages[0]['content'] %}"
+    "{% set first_user_prefix = (content if content is string else content[0]['text']) + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + (first_user_prefix if loop.first else '') }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 VLM_PROCESSORS = {
     "qwen2_5_vl": dict(tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
                        chat_template=QWEN2_5_VL_TEMPLATE),
     "llava": dict(tokens=("<image>",), chat_template=LLAVA_TEMPLATE),
+    # the image, begin- and end-of-image tokens at the config's ids, then the turn markers
+    "gemma3": dict(tokens=("<image_soft_token>", "<start_of_image>", "<end_of_image>", "<start_of_turn>",
+                           "<end_of_turn>"),
+                   named_tokens=dict(image_token="<image_soft_token>", boi_token="<start_of_image>",
+                                     eoi_token="<end_of_image>"),
+                   chat_template=GEMMA3_TEMPLATE),
 }
 
 
-def _tiny_processor(arch: str, tokenizer):
+def _tiny_processor(arch: str, tokenizer, config):
     """The processor of a tiny checkpoint: Qwen2-VL's dynamic resolution (14-pixel patches, 2 x 2 merged
-    into one token, between 28 x 28 and 112 x 112 pixels: 1 to 16 tokens per image) or LLaVA's fixed
-    28 x 28 crop (4 tokens per image: CLIP's class token is not one of them)."""
+    into one token, between 28 x 28 and 112 x 112 pixels: 1 to 16 tokens per image), LLaVA's fixed
+    28 x 28 crop (4 tokens per image: CLIP's class token is not one of them) or Gemma 3's 28 x 28 resize
+    (``config.mm_tokens_per_image`` tokens per image, pooled from SigLIP's patches; no pan-and-scan)."""
     from sfttool.compat import processors_without_torchvision
 
     processors_without_torchvision()
@@ -409,6 +445,13 @@ def _tiny_processor(arch: str, tokenizer):
                                                    patch_size=14, temporal_patch_size=2, merge_size=2)
         return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                    video_processor=None, chat_template=chat_template)
+    if arch == "gemma3":
+        from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+        size = config.vision_config.image_size
+        image_processor = Gemma3ImageProcessorPil(size={"height": size, "width": size}, do_pan_and_scan=False)
+        return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                               image_seq_length=config.mm_tokens_per_image, chat_template=chat_template)
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
