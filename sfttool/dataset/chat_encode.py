@@ -10,7 +10,7 @@ from sfttool.dataset.chat_targets import chat_template_samples
 from sfttool.dataset.encode_columns import span_samples
 from sfttool.dataset.errors import DatasetError, where
 from sfttool.dataset.image_rows import IMAGES_COLUMN, SIZES_COLUMN
-from sfttool.dataset.image_tokens import (expand_placeholders, image_token, image_token_counts, image_token_id,
+from sfttool.dataset.image_tokens import (expand_placeholders, image_text, image_token_counts, image_token_id,
                                           with_special_tokens)
 from sfttool.dataset.tokens import batch_token_ids, special_token_texts, trained_spans
 from sfttool.dataset.unrendered import Unrendered, refuse
@@ -61,13 +61,14 @@ def processor_encoded(batch: dict[str, list], rows: list[int], processor: Any, s
                       chat_options: dict | None, skip_bad_rows: bool) -> dict:
     """Image rows through the model's processor (HF chat-template mode with images): the processor's chat
     template renders each sample (``chat_targets``, answers trained exactly as for text), each image
-    placeholder becomes the tokens the processor makes of that image (``image_tokens``), and the text is
-    tokenized whole with the special tokens the processor's call adds, so the ids equal
+    placeholder becomes the text of the tokens the processor makes of that image (``image_tokens``), and the
+    text is tokenized whole with the special tokens the processor's call adds, so the ids equal
     ``processor.apply_chat_template(messages, tokenize=True)``. Image tokens are never trained. ``Encoded``'s
     fields but the conversations."""
     tokenizer = processor.tokenizer
     specials = special_token_texts(tokenizer)
-    token = image_token(processor)
+    image = image_text(processor)
+    token = image.placeholder
     conversations = batch["conversation"]
     row_images = batch.get(IMAGES_COLUMN) or [[]] * len(rows)
     row_sizes = batch.get(SIZES_COLUMN) or [[]] * len(rows)
@@ -86,7 +87,7 @@ def processor_encoded(batch: dict[str, list], rows: list[int], processor: Any, s
                                f"placeholders {token!r} for {len(own_images)} images (a template that leaves an "
                                f"image out, or {token!r} written in the text); fix the row or the template")
         for (text, own_spans), n in zip(samples, rendered):
-            text, own_spans = expand_placeholders(text, own_spans, token, own_counts[:n], row, source)
+            text, own_spans = expand_placeholders(text, own_spans, image, own_counts[:n], row, source)
             texts.append(text)
             spans.append(own_spans)
             images.append(own_images[:n])

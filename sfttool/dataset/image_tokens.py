@@ -1,20 +1,25 @@
 """Image tokens as the processor makes them, without decoding a pixel.
 
 The processor's chat template renders one placeholder per image (Qwen2.5-VL's ``<|image_pad|>``,
-LLaVA's ``<image>``); at inference the processor then repeats it once per token the image becomes
-(Qwen: one per merged 2 x 2 patch of the resized image; LLaVA: a fixed count) and tokenizes the text,
-adding the tokenizer's special tokens unless the text starts with BOS. The encoder does the same, with
-each image's token count from its size (``image_rows`` reads it from the file's header), so its ids
-equal ``processor.apply_chat_template(messages, tokenize=True)``::
+LLaVA's ``<image>``, Gemma 3's ``<start_of_image>``); at inference the processor then replaces it by the
+image's tokens (``ImageText``): the image token once per token the image becomes (Qwen: one per merged
+2 x 2 patch of the resized image; LLaVA, Gemma 3: a fixed count), which Gemma 3 wraps as
+``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``. It then tokenizes the text, adding the
+tokenizer's special tokens unless the text starts with BOS. The encoder does the same, with each image's
+token count from its size (``image_rows`` reads it from the file's header), so its ids equal
+``processor.apply_chat_template(messages, tokenize=True)``::
 
-    >>> expand_placeholders('<im>Q', [(3, 5)], '<im>', [3])
+    >>> expand_placeholders('<im>Q', [(3, 5)], ImageText('<im>', '<im>'), [3])
     ('<im><im><im>Q', [(11, 13)])
+    >>> expand_placeholders('<boi>Q', [(5, 6)], ImageText('<boi>', '<t>', '[<boi>', ']'), [2])
+    ('[<boi><t><t>]Q', [(13, 14)])
 
 ``max_length`` never cuts through an image's tokens: the cut moves back to the image's first token
 (``image_limits``), and the sample keeps the images before it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
@@ -24,7 +29,7 @@ from sfttool.dataset.errors import DatasetError, where
 
 
 def image_token(processor) -> str:
-    """The text of the processor's image placeholder (``image_token``)."""
+    """The text of the processor's image placeholder (``image_token``), as its chat template renders it."""
     token = getattr(processor, "image_token", None)
     if not isinstance(token, str):
         raise DatasetError(f"processor {type(processor).__name__} has no image_token: image rows need an "
@@ -33,8 +38,42 @@ def image_token(processor) -> str:
 
 
 def image_token_id(processor) -> int:
+    """The id of the token each image feature replaces: the first id the processor marks as an image token
+    (``image_token_ids``, which its ``mm_token_type_ids`` mark 1). For most processors the placeholder's
+    own id; Gemma 3's placeholder ``<start_of_image>`` instead begins the run of ``<image_soft_token>``."""
+    marked = [i for i in getattr(processor, "image_token_ids", None) or () if i is not None]
+    if marked:
+        return marked[0]
     token_id = getattr(processor, "image_token_id", None)
     return token_id if token_id is not None else processor.tokenizer.convert_tokens_to_ids(image_token(processor))
+
+
+@dataclass(frozen=True)
+class ImageText:
+    """What an image is in the text: the chat template's ``placeholder``, which the processor replaces by
+    ``prefix + token * count + suffix``."""
+    placeholder: str
+    token: str
+    prefix: str = ""
+    suffix: str = ""
+
+    def expanded(self, count: int) -> str:
+        return self.prefix + self.token * count + self.suffix
+
+
+def image_text(processor) -> ImageText:
+    """The processor's ``ImageText``: its placeholder repeated; or, for a processor that wraps the image
+    tokens (Gemma 3's ``full_image_sequence``), the text around its run of image tokens."""
+    placeholder = image_token(processor)
+    full = getattr(processor, "full_image_sequence", None)
+    if not isinstance(full, str):
+        return ImageText(placeholder, placeholder)
+    token = processor.tokenizer.convert_ids_to_tokens(image_token_id(processor))
+    first, last = full.find(token), full.rfind(token)
+    if first < 0:
+        raise DatasetError(f"processor {type(processor).__name__}: its full_image_sequence {full!r:.80} holds no "
+                           f"image token {token!r}; its images cannot be encoded without decoding them")
+    return ImageText(placeholder, token, full[:first], full[last + len(token):])
 
 
 def image_token_counts(processor, sizes: Sequence[Sequence[int]]) -> list[int]:
@@ -48,10 +87,11 @@ def image_token_counts(processor, sizes: Sequence[Sequence[int]]) -> list[int]:
     return [int(n) for n in count(image_sizes=[list(s) for s in sizes])["num_image_tokens"]]
 
 
-def expand_placeholders(text: str, spans: list[tuple[int, int]], token: str, counts: Sequence[int],
+def expand_placeholders(text: str, spans: list[tuple[int, int]], image: ImageText, counts: Sequence[int],
                         row: int | None = None, source: str | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """Each placeholder ``token`` of ``text`` repeated ``counts[i]`` times, the trained character spans
-    moved with the text."""
+    """Each placeholder of ``text`` replaced by the text of its image's ``counts[i]`` tokens, the trained
+    character spans moved with the text."""
+    token = image.placeholder
     starts = []
     position = text.find(token)
     while position >= 0:
@@ -65,10 +105,10 @@ def expand_placeholders(text: str, spans: list[tuple[int, int]], token: str, cou
         return text, spans
     pieces, last = [], 0
     for start, count in zip(starts, counts):
-        pieces += [text[last:start], token * count]
+        pieces += [text[last:start], image.expanded(count)]
         last = start + len(token)
     pieces.append(text[last:])
-    grown = np.cumsum([(count - 1) * len(token) for count in counts])  # [images] growth once past each
+    grown = np.cumsum([len(image.expanded(count)) - len(token) for count in counts])  # [images] growth once past each
 
     def moved(p: int) -> int:
         passed = int(np.searchsorted(starts, p, side="left"))  # placeholders that start before p

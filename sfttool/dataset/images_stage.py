@@ -54,11 +54,12 @@ def check_image_template(template: Any, processor: Any, pack_strategy: Any = Non
 
 
 def processor_digest(processor: Any) -> str | None:
-    """Hash of what decides the image tokens: the processor's settings and chat template."""
+    """Hash of what decides the image tokens and pixels: the processor's settings (its image processor's and
+    its own, such as Gemma 3's ``image_seq_length`` and LLaVA's ``patch_size``) and chat template."""
     if processor is None:
         return None
-    image = processor.image_processor.to_json_string() if hasattr(processor, "image_processor") else ""
-    text = json.dumps([type(processor).__name__, image, str(getattr(processor, "chat_template", "")),
+    settings = processor.to_json_string() if hasattr(processor, "to_json_string") else ""
+    text = json.dumps([type(processor).__name__, settings, str(getattr(processor, "chat_template", "")),
                        getattr(processor, "image_token", None), tokenizer_digest(processor.tokenizer)])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -2,7 +2,8 @@
 
 A row of image-text data holds its images' paths (``images``, in token order: packed rows hold each
 sample's in sample order). Reading the row loads each image as the processor does at inference
-(transformers' ``load_image``: EXIF rotation, RGB) and runs the processor's image processor on them;
+(transformers' ``load_image``: EXIF rotation, RGB) and runs the processor's image processor on them, with
+the settings the processor's own call gives it (``images_kwargs``: Gemma 3's turn pan-and-scan off);
 the row then also holds ``pixel_values`` and, for Qwen-style processors, ``image_grid_thw``, exactly as
 the processor returns them for those images (None for a row without images)::
 
@@ -50,6 +51,10 @@ class PixelLoader:
     def __init__(self, processor: Any):
         self.processor = processor
         self.token_id = image_token_id(processor)
+        # what the processor's own call hands its image processor (Gemma 3's: no pan-and-scan crops, whatever
+        # the image processor's config says)
+        own = getattr(processor, "images_kwargs", None)
+        self.image_kwargs = dict(own) if isinstance(own, dict) else {}
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         if IMAGES_COLUMN not in batch:  # a column read on its own (``dataset['length']``)
@@ -68,7 +73,7 @@ class PixelLoader:
         if not paths:
             return {}
         images = load_images(paths)
-        out = dict(self.processor.image_processor(images=images, return_tensors="pt"))
+        out = dict(self.processor.image_processor(images=images, **{**self.image_kwargs, "return_tensors": "pt"}))
         if input_ids is not None:
             self.check_tokens(paths, images, out, input_ids)
         return out

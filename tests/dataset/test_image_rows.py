@@ -19,7 +19,7 @@ from sfttool.dataset.pipeline import run_pipeline
 from sfttool.dataset.pixels import with_pixels
 from sfttool.utils.constants import IGNORE_INDEX
 
-ARCHS = ("qwen2_5_vl", "llava")
+ARCHS = ("qwen2_5_vl", "llava", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,12 @@ def data(tmp_path_factory):
     return root, files
 
 
+def feature_token_id(processor) -> int:
+    """The token each image feature replaces: the one its mm_token_type_ids mark (Gemma 3's processor calls
+    <start_of_image>, which the template renders before them, its image_token)."""
+    return processor.image_token_ids[0]
+
+
 def messages_of(conversation: list[dict]) -> list[dict]:
     from sfttool.dataset.conversation import to_messages
     return to_messages(conversation)
@@ -109,7 +115,7 @@ def test_ids_equal_the_processors_own(processors, data, arch, form, map_fn):
         # The labels: image tokens and prompts never trained; answers as the text pipeline trains them.
         labels = np.array(sample["labels"])
         ids = np.array(sample["input_ids"])
-        assert not (labels[ids == processor.image_token_id] != IGNORE_INDEX).any()
+        assert not (labels[ids == feature_token_id(processor)] != IGNORE_INDEX).any()
         assert labels.tolist() == expected_labels(processor, messages)
         # Pixels loaded lazily, as the processor makes them for these images.
         pixels = sample.get("pixel_values")
@@ -220,7 +226,7 @@ def test_packed_rows_hold_each_samples_ids_labels_and_images(processors, data, a
             images, start = list(row["images"]), 0
             for length in row["sample_lengths"]:
                 ids = row["input_ids"][start:start + length]
-                n = len([i for i, token in enumerate(ids) if token == processor.image_token_id])
+                n = len([i for i, token in enumerate(ids) if token == feature_token_id(processor)])
                 own = [s for s in samples if s[0] == ids]
                 assert len(own) == 1 and own[0][1] == row["labels"][start:start + length]
                 count = len(own[0][2])
@@ -317,6 +323,20 @@ def test_cached_image_rows_load_their_pixels(processors, data, tmp_path):
     assert torch.equal(again[0]["pixel_values"], first[0]["pixel_values"])
 
 
+def test_a_processors_own_settings_make_another_cache_entry(processors, data, tmp_path):
+    """Gemma 3's tokens per image are the processor's own setting (image_seq_length), not its image processor's."""
+    from datasets import load_dataset
+    from transformers import Gemma3Processor
+    processor = processors["gemma3"]
+    longer = Gemma3Processor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                             chat_template=processor.chat_template, image_seq_length=8)
+    args = dict(dataset=dict(type=load_dataset, path="json", data_files=data[1]["llava"]), tokenizer=None,
+                max_length=256, dataset_map_fn="llava_map_fn", cache_dir=str(tmp_path))
+    first, second = process_hf_dataset(processor=processor, **args), process_hf_dataset(processor=longer, **args)
+    assert len(list(tmp_path.iterdir())) == 2
+    assert [row["input_ids"].count(feature_token_id(processor)) for row in (first[0], second[0])] == [4, 8]
+
+
 def test_a_tokenizer_that_adds_bos_gets_it_as_the_processor_adds_it(tmp_path, tiny_tokenizer_bos_dir, data):
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(assets.build_tiny_vlm(tmp_path / "m", tiny_tokenizer_bos_dir, "llava"))
@@ -373,6 +393,24 @@ def test_image_rows_are_not_streamed(tiny_tokenizer, processors):
     with pytest.raises(DatasetError, match=r"image-text rows \(processor=...\) are not streamed"):
         StreamingPackedDataset(Dataset.from_list([{"conversation": [{"input": "Q", "output": "A"}]}]),
                                tiny_tokenizer, 64, processor=processors["llava"])
+
+
+def test_pixels_are_made_with_the_processors_own_image_settings(processors, data):
+    """Gemma 3's processor turns pan-and-scan off for its image processor, whatever that one's config says:
+    the pixels are the processor's (one 28 x 28 image each), not crops the image processor alone would add."""
+    import copy
+    processor = copy.deepcopy(processors["gemma3"])
+    processor.image_processor.do_pan_and_scan = True  # crops for an image 1.2 times taller than wide, or wider
+    processor.image_processor.pan_and_scan_min_crop_size = 4
+    processor.image_processor.pan_and_scan_max_num_crops = 4
+    processor.image_processor.pan_and_scan_min_ratio_to_activate = 1.2
+    dataset, report = run(data[1]["parts"], processor, "openai_map_fn")
+    (messages, images), _ = bound_rows(report)
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(dataset[0]["pixel_values"], expected["pixel_values"]) and len(images) == 3
+    from sfttool.dataset.pixels import load_images
+    alone = processor.image_processor(images=load_images(images[:1]), return_tensors="pt")["pixel_values"]
+    assert len(alone) > 1  # the image processor alone crops the 56 x 84 image
 
 
 @pytest.mark.parametrize("mode", ["L", "RGBA"])
