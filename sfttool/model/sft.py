@@ -12,7 +12,9 @@ other on every backend. A padding mask or a KV cache would silently undo that.
 runs as a single row.) Under sequence parallelism (``sfttool.parallel``) each
 rank runs its slice of every row, and attention reads the whole rows' positions.
 An image-text batch's pixels (and grids) go to the model with the ids, and each
-packed sample gets its own multimodal positions (``sfttool.model.vision``).
+packed sample gets its own multimodal positions (``sfttool.model.vision``). A model
+whose images attend within themselves (Gemma 3) takes such a batch with its attention
+masks, built there: the one exception to passing none.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ from sfttool.model.chunked_loss import (DEFAULT_CHUNK_SIZE, checkpointed_head_cr
 from sfttool.model.fused_loss import IMPLEMENTATIONS, fused_linear_cross_entropy, require_kernel
 from sfttool.model.lm_head import gathered, is_partitioned, split_lm
 from sfttool.model.lora import apply_lora, build_lora_config, load_adapter_folder, vision_language_targets
-from sfttool.model.vision import (check_vision_settings, freeze_parts, image_inputs, is_vision_language,
-                                  multimodal_position_ids, placeholder_image_zero, uses_multimodal_rope,
-                                  vision_parameters)
+from sfttool.model.vision import (attends_within_images, check_vision_settings, freeze_parts, image_inputs,
+                                  is_vision_language, multimodal_position_ids, packed_image_attention_masks,
+                                  placeholder_image_zero, uses_multimodal_rope, vision_parameters)
 from sfttool.model.step_metrics import STEP_METRICS, split_step_metrics, step_metrics
 from sfttool.parallel import sequence as sequence_parallel
 from sfttool.parallel.split import RowSplit
@@ -113,6 +115,7 @@ class SupervisedFinetune(BaseModel):
         check_vision_settings(self.use_lora, freeze_vision_tower, freeze_projector, freeze_llm, lora_vision_tower)
         self.frozen_vision_parameters = sum(p.numel() for p in vision_parameters(llm).values() if not p.requires_grad)
         self.multimodal_rope = uses_multimodal_rope(llm)  # packed positions go in as four rows
+        self.image_attention = attends_within_images(llm)  # batches with images go in with their masks
         self.llm = llm
         self.router_aux_loss_coef = moe.aux_loss_coefficient(llm, router_aux_loss_coef)
         # Flash-attention derives varlen boundaries from position_ids only for a
@@ -223,6 +226,8 @@ class SupervisedFinetune(BaseModel):
             kwargs["sequence_parallel"] = split
         elif self.multimodal_rope:  # each packed sample's own 3-D positions around its images
             position_ids = multimodal_position_ids(self.llm, input_ids, position_ids, images.get("image_grid_thw"))
+        elif self.image_attention and images:  # each image's tokens see each other, within their sample
+            kwargs["attention_mask"] = packed_image_attention_masks(self.llm, input_ids, position_ids)
         return dict(kwargs, input_ids=input_ids, position_ids=position_ids, **images), flat, split
 
     def _run_llm(self, data: dict, logits_to_keep: Any = 0, llm: Any = None, split: Any = None) -> torch.Tensor:

@@ -18,9 +18,15 @@ packed sample starts, then the three axes, which for text are the same positions
 
 Image-text batches carry the processor's image tensors (``IMAGE_KEYS``) for all images of the batch in
 row order then token order; they go to the model as they are.
+
+Models whose attention lets the tokens of one image see each other both ways (Gemma 3:
+``attends_within_images``) take a packed batch with images with its attention masks built here, one per
+layer type (``packed_image_attention_masks``): each sample's tokens see what they would with the sample
+alone, and nothing of the other samples.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -271,6 +277,62 @@ def token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
         if token is not None:
             types = types.masked_fill(input_ids == token, kind)
     return types
+
+
+def attends_within_images(llm: Any) -> bool:
+    """Whether the model's own mask lets the tokens of one image attend to each other both ways: Gemma 3's
+    ``create_masks_for_generate`` (the hook generate builds its masks with) reads the processor's
+    ``token_type_ids`` (1 on image tokens) for that. Found from the hook's arguments; tested on Gemma 3."""
+    base = base_model(llm)
+    hook = getattr(base, "create_masks_for_generate", None)
+    return is_vision_language(base) and hook is not None and "token_type_ids" in inspect.signature(hook).parameters
+
+
+def image_blocks(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` ids -> ``[batch, seq]`` the number of each image token's image in its row (a run of
+    image tokens is one image), -1 for other tokens: the blocks Gemma 3 reads from ``token_type_ids``.
+
+    >>> image_blocks(type('C', (), {'image_token_id': 9})(), torch.tensor([[1, 9, 9, 2, 9, 3]])).tolist()
+    [[-1, 0, 0, -1, 1, -1]]
+    """
+    is_image = token_types(config, input_ids) == 1
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(1) - 1, -1)
+
+
+def packed_image_attention_masks(llm: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    """The attention masks of a batch with images for a model that ``attends_within_images``, by layer type,
+    as its forward takes them (``attention_mask={'full_attention': ..., 'sliding_attention': ...}``): a
+    token sees the earlier tokens of its own packed sample (``position_ids`` restart at 0 at each) and all
+    tokens of its own image; on sliding-window layers only within the window. This is Gemma 3's mask for one
+    sample, AND(window, OR(causal, same image)), with each sample kept to itself.
+
+    transformers 5.25 builds the sliding-window mask of a packed row with ``token_type_ids`` from each
+    token's position within its sample, so past the first sample it reads the image of another token;
+    built here from token indices (no ``position_ids`` given to the mask), it needs no such lookup."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, create_causal_mask,
+                                            find_packed_sequence_indices, packed_sequence_mask_function,
+                                            sliding_window_overlay)
+
+    base = base_model(llm)
+    text = base.config.get_text_config()
+    samples = find_packed_sequence_indices(position_ids)  # [batch, seq] sample of each token; None: one per row
+    same_sample = None if samples is None else packed_sequence_mask_function(samples)
+    embeds = torch.empty((*input_ids.shape, 0), dtype=base.dtype, device=input_ids.device)  # shape and dtype only
+    common = dict(config=text, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=None,
+                  or_mask_function=blockwise_overlay(image_blocks(base.config, input_ids)))
+    masks = {}
+    for kind in dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]):
+        if kind == "full_attention":
+            within = same_sample
+        elif kind == "sliding_attention":
+            window = sliding_window_overlay(text.sliding_window)
+            within = window if same_sample is None else and_masks(window, same_sample)
+        else:
+            raise ValueError(f"{type(base).__name__} has {kind!r} layers: packed rows with images are masked "
+                             "for full and sliding-window attention layers only")
+        masks[kind] = create_causal_mask(**common, and_mask_function=within)
+    return masks
 
 
 def multimodal_position_ids(llm: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,

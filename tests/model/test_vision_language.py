@@ -72,7 +72,7 @@ def test_a_packed_row_trains_like_its_samples_through_the_checkpoints_own_forwar
     assert not any(p.requires_grad for p in vision_parameters(model.llm).values())  # frozen, so no gradient
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("arch", assets.VLM_ARCHS)
 def test_lora_targets_the_language_model_only(vlm_dirs, arch):
     model = make_vlm(vlm_dirs[arch], lora=dict(r=4, lora_alpha=8, lora_dropout=0.0))
     from transformers import AutoModelForImageTextToText
@@ -107,9 +107,10 @@ def test_training_the_vision_tower_of_a_text_model_or_with_lora_is_refused(vlm_d
 
 def test_the_parts_are_the_vision_tower_the_projector_and_the_language_model(vlm_dirs):
     from transformers import AutoModelForImageTextToText
-    models = {arch: AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch]) for arch in ("qwen2_5_vl", "llava")}
+    models = {arch: AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch]) for arch in assets.VLM_ARCHS}
     assert vision_modules(models["qwen2_5_vl"]) == (["model.visual"], ["model.visual.merger"])
     assert vision_modules(models["llava"]) == (["model.vision_tower"], ["model.multi_modal_projector"])
+    assert vision_modules(models["gemma3"]) == (["model.vision_tower"], ["model.multi_modal_projector"])
     for model in models.values():
         parts = part_parameters(model)
         names = [set(p) for p in parts.values()]
@@ -131,7 +132,7 @@ def sizes(model):
     (dict(lora=dict(r=4), lora_vision_tower=True), ("LoRA", "frozen", "LoRA")),
     (dict(lora=dict(r=4), lora_vision_tower=True, freeze_llm=True), ("LoRA", "frozen", "frozen")),
 ], ids=["default", "projector", "tower", "projector-only", "lora", "lora+projector", "lora-both", "lora-tower"])
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("arch", assets.VLM_ARCHS)
 def test_freeze_switches_and_lora_decide_what_trains(vlm_dirs, arch, switches, want):
     model = make_vlm(vlm_dirs[arch], **switches)
     parts = trained_parts(model.llm)

@@ -1,17 +1,18 @@
 """Vision-language checkpoints trained on image-text rows: the batch's pixels (and Qwen2-VL's grids) reach
 the model, a packed row of samples with images trains like its samples run one by one through the
-checkpoint's own forward (its own 3-D rotary positions), loss and gradients, on the chunked and the
-unchunked loss. Samples come from the tiny processors themselves (``apply_chat_template``)."""
+checkpoint's own forward (its own 3-D rotary positions; Gemma 3's attention within each image, from the
+processor's token_type_ids), loss and gradients, on the chunked and the unchunked loss. Samples come from
+the tiny processors themselves (``apply_chat_template``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from sfttool import assets
-from sfttool.model.vision import multimodal_position_ids
+from sfttool.model.vision import multimodal_position_ids, packed_image_attention_masks, token_types
 
 ATOL = 1e-5
-ARCHS = ("qwen2_5_vl", "llava")
+ARCHS = ("qwen2_5_vl", "llava", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,12 @@ def conversations(images):
 
 
 def encode(processor, conversation) -> dict:
-    """The processor's own encoding; the last 6 tokens trained (image tokens never are)."""
+    """The processor's own encoding; the last 6 tokens trained (image tokens never are). Gemma 3's
+    token_type_ids are kept for the checkpoint's own forward only: sfttool's batches do not carry them."""
     batch = processor.apply_chat_template(conversation, tokenize=True, return_dict=True, return_tensors="pt")
     ids = batch["input_ids"][0].tolist()
     sample = {"input_ids": ids, "labels": [-100] * (len(ids) - 6) + ids[-6:]}
-    sample.update({k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch})
+    sample.update({k: batch[k] for k in ("pixel_values", "image_grid_thw", "token_type_ids") if k in batch})
     return sample
 
 
@@ -91,6 +93,8 @@ def own_loss(model, samples) -> torch.Tensor:
         images = {k: v for k, v in data.items() if k in ("pixel_values", "image_grid_thw")}
         if "image_grid_thw" in images:  # Qwen2-VL computes 3-D positions from the token types
             images["mm_token_type_ids"] = (data["input_ids"] == model.llm.config.image_token_id).long()
+        if "token_type_ids" in s:  # Gemma 3 lets each image's tokens attend to each other from them
+            images["token_type_ids"] = s["token_type_ids"]
         units = int((data["labels"][:, 1:] != -100).sum())
         with torch.no_grad():
             total += model.llm(input_ids=data["input_ids"], labels=data["labels"], **images).loss * units
@@ -169,6 +173,34 @@ def test_packed_3d_positions_are_each_samples_own(vlm):
     assert not torch.equal(got[1], got[2])  # height and width differ around the images
     with pytest.raises(ValueError, match="image_grid_thw does not match the image tokens"):
         multimodal_position_ids(model.llm, data["input_ids"], data["position_ids"], data["image_grid_thw"][[1, 0, 2]])
+
+
+def test_packed_gemma3_masks_are_each_samples_own(vlm):
+    """Per layer type, the masks of a packed row hold each sample's own (the checkpoint's
+    create_masks_for_generate, given the processor's token_type_ids) on the diagonal, nothing across samples."""
+    folder, samples = vlm["gemma3"]
+    model = make_vlm(folder)
+    config = model.llm.config
+    data = collate(samples)
+    got = packed_image_attention_masks(model.llm, data["input_ids"], data["position_ids"])
+    own = []
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]])
+        assert torch.equal(token_types(config, ids), s["token_type_ids"])  # the image tokens the processor marks
+        own.append(model.llm.create_masks_for_generate(config, torch.empty(1, ids.shape[1], 0), None, None,
+                                                       torch.arange(ids.shape[1])[None],
+                                                       token_type_ids=s["token_type_ids"]))
+    assert set(got) == {"full_attention", "sliding_attention"}
+    for kind, mask in got.items():
+        assert torch.equal(mask[0, 0].long(), torch.block_diag(*(m[kind][0, 0].long() for m in own)))
+    assert got["sliding_attention"][0, 0].triu(1).any()  # an image's tokens see the ones after them
+    # transformers 5.25's own masks for the packed row: right on the global layers, but on the sliding-window
+    # ones each token's image is read at its position within its sample (why sfttool builds the masks)
+    theirs = model.llm.create_masks_for_generate(config, torch.empty(*data["input_ids"].shape, 0), None, None,
+                                                 data["position_ids"],
+                                                 token_type_ids=token_types(config, data["input_ids"]))
+    assert torch.equal(theirs["full_attention"], got["full_attention"])
+    assert not torch.equal(theirs["sliding_attention"], got["sliding_attention"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
