@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
         if shared:
             groups[item.path] = shared[0]
         elif scoped:
-            groups.setdefault(item.path, str(item.path))
+            groups.setdefault(item.path, item.nodeid.split("::")[0])  # the file, as node ids name it
     for item in items:
         if item.path in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.path]))
