@@ -13,10 +13,9 @@ from sfttool.dataset.kto import (DROP_PROMPT_TOO_LONG, KTO_FIELDS, NOTE_CUT, bui
                                  example_conversation)
 from sfttool.dataset.resolve import prompt_template_or_chat_template, source_name
 from sfttool.dataset.rows import number_rows
-from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
 from sfttool.tools.check_source import checked_rows
-from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
+from sfttool.tools.findings import Echo, Findings, collect_mapped_row_errors, guard
 from sfttool.tools.masked_view import legend, length_line, show_masked, shorten
 
 
@@ -26,17 +25,14 @@ def is_kto_node(node: Any) -> bool:
 
 def check_kto_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the row checks on every row; list the first errors."""
-    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
-
     def check(row: dict, index: int) -> None:
-        row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
         missing = [f for f in KTO_FIELDS if f not in row]
         if missing:
             raise DatasetError(f"{where(index, source)}: no {', '.join(missing)}; set a dataset_map_fn for this "
                                "format (see docs/preference.md)")
         example_conversation(dict(row, **{ROW_COLUMN: index}), source)
 
-    collect_row_errors(dataset, check, findings, max_errors)
+    collect_mapped_row_errors(dataset, map_fn, source, check, findings, max_errors)
 
 
 def print_kto(rows, mapped, encoded, tokenizer, max_length: int, batch_size: int | None, echo: Echo,

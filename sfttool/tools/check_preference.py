@@ -13,10 +13,9 @@ from sfttool.dataset.errors import ROW_COLUMN, DatasetError, where
 from sfttool.dataset.preference import build_preference_dataset, reward_token, run_preference_pipeline
 from sfttool.dataset.preference_encode import pair_conversations
 from sfttool.dataset.resolve import source_name
-from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
 from sfttool.tools.check_source import checked_rows
-from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
+from sfttool.tools.findings import Echo, Findings, collect_mapped_row_errors, guard
 from sfttool.tools.masked_view import legend, length_line, show_masked, shorten
 
 
@@ -26,17 +25,14 @@ def is_preference_node(node: Any) -> bool:
 
 def check_pair_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the pair checks on every row; list the first errors."""
-    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
-
     def check(row: dict, index: int) -> None:
-        row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
         missing = [f for f in ("prompt", "chosen", "rejected") if f not in row]
         if missing:
             raise DatasetError(f"{where(index, source)}: no {', '.join(missing)}; set a "
                                "dataset_map_fn for this format (see docs/preference.md)")
         pair_conversations(row["prompt"], row["chosen"], row["rejected"], index, source)
 
-    collect_row_errors(dataset, check, findings, max_errors)
+    collect_mapped_row_errors(dataset, map_fn, source, check, findings, max_errors)
 
 
 def print_preference_stages(report, tokenizer, echo: Echo, color: bool) -> None:

@@ -14,9 +14,8 @@ from sfttool.dataset.load import check_json_file
 from sfttool.dataset.prompts import (build_prompt_dataset, prompt_messages, reward_columns,
                                      run_prompt_pipeline)
 from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
-from sfttool.dataset.stages import SafeMapFn
 from sfttool.registry import build_if_config
-from sfttool.tools.findings import Echo, Findings, collect_row_errors, guard
+from sfttool.tools.findings import Echo, Findings, collect_mapped_row_errors, guard
 from sfttool.tools.masked_view import length_line, shorten
 
 SHOWN_PROMPTS = 3
@@ -28,16 +27,13 @@ def is_prompt_node(node: Any) -> bool:
 
 def check_prompt_rows(dataset, map_fn, source: str | None, findings: Findings, max_errors: int) -> None:
     """Run the map fn and the prompt checks on every row; list the first errors."""
-    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
-
     def check(row: dict, index: int) -> None:
-        row = safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}
         if row.get("prompt") is None:  # absent, or null where other rows have one
             raise DatasetError(f"{source or 'dataset'}, row {index}: no `prompt`; set a dataset_map_fn for this "
                                "format (gsm8k_map_fn, math_map_fn; see docs/rl.md)")
         prompt_messages(row["prompt"], index, source)
 
-    collect_row_errors(dataset, check, findings, max_errors)
+    collect_mapped_row_errors(dataset, map_fn, source, check, findings, max_errors)
 
 
 def print_prompts(dataset, tokenizer, columns: list[str], echo: Echo) -> None:

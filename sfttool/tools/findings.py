@@ -1,6 +1,5 @@
 """What ``check-custom-dataset`` found: errors and warnings, echoed as they are found and counted
-for the summary line. Shared by the SFT check (``check_dataset``) and the preference check
-(``check_preference``).
+for the summary line. Shared by the SFT check (``check_dataset``) and the preference, KTO and prompt checks.
 
     >>> findings = Findings(print)
     >>> collect_row_errors(rows, check, findings, max_errors=10)     # doctest: +SKIP
@@ -13,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
+from sfttool.dataset.stages import SafeMapFn
 
 Echo = Callable[[str], None]
 
@@ -53,6 +53,19 @@ def collect_row_errors(rows, check: Callable[[dict, int], Any], findings: Findin
         findings.unlisted += found - max_errors
         findings.echo(f"... and {found - max_errors} more rows with errors (--max-errors {max_errors}: "
                       "raise it to list them)")
+
+
+def collect_mapped_row_errors(rows, map_fn: Callable | None, source: str | None, check: Callable[[dict, int], Any],
+                              findings: Findings, max_errors: int) -> None:
+    """``collect_row_errors`` of ``check(row, number)`` on each row as ``map_fn`` returns it (a map fn that
+    fails is that row's error, named as in training: ``SafeMapFn``), or without a map fn as loaded, less
+    ``ROW_COLUMN``. The row checks of the preference, KTO and prompt configs."""
+    safe = SafeMapFn(map_fn, source) if map_fn is not None else None
+
+    def mapped_check(row: dict, index: int) -> Any:
+        return check(safe(row, index) if safe else {k: v for k, v in row.items() if k != ROW_COLUMN}, index)
+
+    collect_row_errors(rows, mapped_check, findings, max_errors)
 
 
 def guard(findings: Findings, fn: Callable, *args: Any, **kwargs: Any) -> Any:
