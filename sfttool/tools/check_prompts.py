@@ -10,11 +10,11 @@ import numpy as np
 
 from sfttool.dataset.config_node import is_built_by, pipeline_args
 from sfttool.dataset.errors import ROW_COLUMN, DatasetError
-from sfttool.dataset.load import check_json_file
 from sfttool.dataset.prompts import (build_prompt_dataset, prompt_messages, reward_columns,
                                      run_prompt_pipeline)
-from sfttool.dataset.resolve import json_source_files, resolve_dataset, resolve_map_fn, source_name
+from sfttool.dataset.resolve import source_name
 from sfttool.registry import build_if_config
+from sfttool.tools.check_source import checked_rows
 from sfttool.tools.findings import Echo, Findings, collect_mapped_row_errors, guard
 from sfttool.tools.masked_view import length_line, shorten
 
@@ -69,18 +69,9 @@ def check_prompts(node: dict, findings: Findings, max_errors: int, echo: Echo, c
                   batch_size: int | None) -> None:
     """All checks and printouts for one build_prompt_dataset node."""
     args = pipeline_args(node, build_prompt_dataset)
-    errors_before = len(findings.errors)
-    for file in json_source_files(args["dataset"]):
-        echo(f"Checking every line of {file}")
-        guard(findings, check_json_file, file, False, args["dataset"].get("field"))
-    if len(findings.errors) > errors_before:
-        return
-    echo("Building the prompt dataset ...")
-    raw = resolve_dataset(args["dataset"], args["split"], validate=False)
     source = source_name(args["dataset"])
-    echo(f"Validating all {len(raw)} rows ...")
-    check_prompt_rows(raw, resolve_map_fn(args["dataset_map_fn"]), source, findings, max_errors)
-    if len(findings.errors) > errors_before:
+    raw = checked_rows(args, source, check_prompt_rows, findings, max_errors, echo)
+    if raw is None:
         return
     tokenizer = build_if_config(args["tokenizer"], "tokenizer")
     result = guard(findings, run_prompt_pipeline, raw, tokenizer, args["max_prompt_length"], args["dataset_map_fn"],
