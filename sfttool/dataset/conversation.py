@@ -67,7 +67,32 @@ def check_conversation(conversation: Any, row: int | None = None, source: str | 
     return conversation
 
 
+def _is_plain_turn(turn: Any, first: bool, need_output: bool) -> bool:
+    """The common turn, which ``_check_turn`` passes, told apart in one expression: a dict whose texts
+    are ``str`` (or absent), without tools or messages, flags true/false/None, a system prompt only on
+    the first turn. Anything else (a ``str`` subclass, tools, a flag written as text) goes through the
+    full check, which names what is wrong. This check runs on every turn of every batch."""
+    if turn.__class__ is not dict:
+        return False
+    get = turn.get
+    text, answer, system = get("input"), get("output"), get("system")
+    return ((text.__class__ is str or (text is None and ("input" in turn or "output" in turn)))
+            and (answer.__class__ is str or (answer is None and not need_output))
+            and (system is None or system.__class__ is str) and (first or not system)
+            and get("tools") in _NO_JSON_LIST and get("messages") in _NO_JSON_LIST
+            and get("output_with_loss") in _FLAG_VALUES and get("need_eos_token") in _FLAG_VALUES)
+
+
+_NO_JSON_LIST, _FLAG_VALUES = (None, ""), (None, True, False)
+
+
 def _check_turn(turn: Any, i: int, row: int | None, source: str | None, need_output: bool) -> None:
+    if not _is_plain_turn(turn, i == 0, need_output):
+        check_turn_fully(turn, i, row, source, need_output)
+
+
+def check_turn_fully(turn: Any, i: int, row: int | None, source: str | None, need_output: bool) -> None:
+    """Every rule of a turn, each failure named (``check_conversation`` skips it for a plain turn)."""
     field = f"conversation[{i}]"
     if not isinstance(turn, dict):
         raise DatasetError(f"{where(row, source, field)}: expected a dict with `input` and `output`, "
