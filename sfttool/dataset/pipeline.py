@@ -119,7 +119,7 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
     from datasets.fingerprint import Hasher
 
     from sfttool.dataset.chat_format import renderer
-    from sfttool.dataset.stages import template_and_encode_batch
+    from sfttool.dataset.stages import json_turns, template_and_encode_batch
     from sfttool.utils.templates import chat_template_options, is_hf_chat_template
     hf_chat_template, chat_options = is_hf_chat_template(template), chat_template_options(template)
     if processor is not None:  # image rows: the processor's chat template renders them
@@ -137,11 +137,13 @@ def encode(dataset, tokenizer, max_length: int, input_ids_with_output: bool, tem
                                     template_map_fn and Hasher.hash(template_map_fn), processor_digest(processor),
                                     _images_digest(dataset))
     desc = f"{'Templating and tokenizing' if template_map_fn else 'Tokenizing'} ({mode} mode)"
-    dataset = dataset.map(template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc,
-                          remove_columns=remove, features=_encoded_features(dataset, remove, processor is not None),
-                          new_fingerprint=fingerprint, desc=desc,
-                          fn_kwargs=dict(tokenizer=tokenizer, template_map_fn=template_map_fn, processor=processor,
-                                         **settings))
+    # Turns held as JSON text reach the stage as Arrow and are parsed a batch at a time (``python_batch``).
+    features = dataset.features if json_turns(dataset.features) else None
+    dataset = (dataset.with_format("arrow") if features else dataset).map(
+        template_and_encode_batch, batched=True, with_indices=True, num_proc=num_proc, remove_columns=remove,
+        features=_encoded_features(dataset, remove, processor is not None), new_fingerprint=fingerprint, desc=desc,
+        fn_kwargs=dict(tokenizer=tokenizer, template_map_fn=template_map_fn, processor=processor, features=features,
+                       **settings)).with_format(None)
     if hf_chat_template:
         count_split(report, _row_numbers(dataset))
     return dataset

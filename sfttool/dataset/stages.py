@@ -141,9 +141,10 @@ def map_rows(rows: Sequence[Mapping], row_numbers: Sequence[int], fn: Callable, 
 
 
 def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, source: str | None = None,
-              role: str = "dataset_map_fn") -> dict[str, list]:
+              role: str = "dataset_map_fn", to_arrow: bool = True) -> dict[str, list]:
     """``datasets.map(batched=True, with_indices=True)`` form of ``map_rows``: the returned columns, and
-    (for the dataset map fn, not the template's) ``NOTES_COLUMN``."""
+    (for the dataset map fn, not the template's) ``NOTES_COLUMN``. ``to_arrow=False``: the columns go to
+    the encoder, not to an Arrow table, and the turns keep the keys they have (``with_every_key``)."""
     names = list(batch)
     rows = [dict(zip(names, values)) for values in zip(*batch.values())]
     mapped, notes = map_rows(rows, _numbers(batch, indices), fn, source, role)
@@ -151,7 +152,7 @@ def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, sour
     for i, row in enumerate(mapped):
         for key, value in row.items():
             columns.setdefault(key, [None] * len(mapped))[i] = value
-    if "conversation" in columns:  # one struct type for every batch the map writes
+    if "conversation" in columns and to_arrow:  # one struct type for every batch the map writes
         columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
     if role != "template_map_fn":  # the dataset's map fn (a source's ``map_fn`` too)
         columns[NOTES_COLUMN] = ["\n".join(n) for n in notes]
@@ -365,12 +366,48 @@ def gc_paused():
             gc.enable()
 
 
+def json_turns(features) -> bool:
+    """Whether ``conversation`` holds each turn as JSON text (``List(Json)``): ``datasets`` loads turns so
+    when their keys differ between rows (a ``system`` on the first turn only)."""
+    from datasets import Json, List
+    feature = features.get("conversation")
+    return isinstance(feature, List) and isinstance(feature.feature, Json) and feature.feature.decode
+
+
+def python_batch(table, features) -> dict[str, list]:
+    """An Arrow batch as ``datasets`` hands a batch to a map in Python (``features`` decode each column), but
+    a ``conversation`` of JSON-text turns (``json_turns``) parsed in one call for the batch instead of one
+    per turn (``datasets`` decodes each turn's text through its nested features: two thirds of the cost of
+    handing the encode stage its batch), with the parser ``datasets`` uses, so the values are the same."""
+    import pyarrow as pa
+    from datasets.utils.json import ujson_loads
+    batch = {}
+    for name in table.column_names:
+        column = table.column(name)
+        if name != "conversation":
+            batch[name] = features.decode_column(column.to_pylist(), name)
+            continue
+        lists = column.combine_chunks()
+        texts = lists.flatten()  # the batch's turns, end to end (a null conversation has none)
+        texts = (texts.storage if isinstance(texts, pa.ExtensionArray) else texts).to_pylist()
+        turns = ujson_loads("[" + ",".join("null" if text is None else text for text in texts) + "]")
+        offsets = lists.offsets.to_numpy()
+        offsets = (offsets - offsets[0]).tolist()
+        null = lists.is_null().to_numpy(zero_copy_only=False).tolist()
+        batch[name] = [None if null[i] else turns[offsets[i]:offsets[i + 1]] for i in range(len(lists))]
+    return batch
+
+
 @gc_paused()
 def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], template_map_fn: Callable | None,
-                              source: str | None = None, **encode_args: Any):
+                              source: str | None = None, features=None, **encode_args: Any):
     """The template stage (``map_batch`` with ``template_map_fn``, when given), then the encode stage
     (``encode.encode_batch_arrays``), each run once on the batch: one ``datasets.map`` where two would write
-    every conversation to Arrow and read it back in between. Same samples as the two stages apart."""
+    every conversation to Arrow and read it back in between. Same samples as the two stages apart.
+    ``features``: the batch is an Arrow table of rows with these features (``python_batch``)."""
+    if features is not None:
+        batch = python_batch(batch, features)
     if template_map_fn is not None:
-        batch = {**batch, **map_batch(batch, indices, template_map_fn, source, role="template_map_fn")}
+        batch = {**batch, **map_batch(batch, indices, template_map_fn, source, role="template_map_fn",
+                                      to_arrow=False)}
     return encode_batch_arrays(batch, indices, source=source, **encode_args)

@@ -101,8 +101,8 @@ def test_the_template_runs_once_per_turn_whether_or_not_the_stages_are_kept(tiny
     """check-custom-dataset keeps every stage: the template stage is then a map of its own, and the encode
     stage reads its rows instead of templating them again."""
     module = importlib.import_module("sfttool.dataset.map_fns.template_map_fn")
-    calls, render = [], module.render_input
-    monkeypatch.setattr(module, "render_input", lambda *args, **kw: calls.append(1) or render(*args, **kw))
+    calls, render = [], module._render_input
+    monkeypatch.setattr(module, "_render_input", lambda *args, **kw: calls.append(1) or render(*args, **kw))
     rows = assets.tiny_conversations(6, seed=0)
     turns = sum(len(row["conversation"]) for row in rows)
     outputs = []

@@ -22,14 +22,22 @@ def render_input(template: Mapping[str, Any], input: str | None, system: str | N
     A SYSTEM containing ``{input}`` renders the whole turn (system folded into
     the user message, for models without a system role).
     """
+    return _render_input(*_input_formats(template), input, system, round)
+
+
+def _input_formats(template: Mapping[str, Any]) -> tuple[str, str]:
+    """``(SYSTEM, INSTRUCTION)``, read once per conversation: a config's template is a ``ConfigDict``,
+    whose ``get`` costs a few microseconds, on every turn of every row."""
+    return template.get("SYSTEM", "{system}\n"), template.get("INSTRUCTION", "{input}")
+
+
+def _render_input(system_format: str, instruction: str, input: str | None, system: str | None, round: int) -> str:
     input = input or ""
     if system:
-        system_fmt = template.get("SYSTEM", "{system}\n")
-        if "{input}" in system_fmt:
-            return system_fmt.format(system=system, input=input, round=round)
-        return system_fmt.format(system=system) + template.get("INSTRUCTION", "{input}").format(
-            input=input, round=round)
-    return template.get("INSTRUCTION", "{input}").format(input=input, round=round)
+        if "{input}" in system_format:
+            return system_format.format(system=system, input=input, round=round)
+        return system_format.format(system=system) + instruction.format(input=input, round=round)
+    return instruction.format(input=input, round=round)
 
 
 def template_map_fn(example: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, list[dict]]:
@@ -53,10 +61,11 @@ def template_map_fn(example: Mapping[str, Any], template: Mapping[str, Any]) -> 
     suffix = template.get("SUFFIX") or ""
     need_eos_token = not template.get("SUFFIX_AS_EOS", False)
     sep = template.get("SEP") or ""
+    system_format, instruction = _input_formats(template)
     rendered = []
     for i, turn in enumerate(conversation):
         new_turn = dict(turn)
-        new_turn["input"] = render_input(template, turn.get("input"), turn.get("system"), round=i + 1)
+        new_turn["input"] = _render_input(system_format, instruction, turn.get("input"), turn.get("system"), i + 1)
         if turn.get("output") is not None:
             new_turn["output"] = turn["output"] + suffix
         new_turn["need_eos_token"] = need_eos_token
