@@ -141,10 +141,9 @@ def map_rows(rows: Sequence[Mapping], row_numbers: Sequence[int], fn: Callable, 
 
 
 def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, source: str | None = None,
-              role: str = "dataset_map_fn", to_arrow: bool = True) -> dict[str, list]:
+              role: str = "dataset_map_fn") -> dict[str, list]:
     """``datasets.map(batched=True, with_indices=True)`` form of ``map_rows``: the returned columns, and
-    (for the dataset map fn, not the template's) ``NOTES_COLUMN``. ``to_arrow=False``: the columns go to
-    the encoder, not to an Arrow table, and the turns keep the keys they have (``with_every_key``)."""
+    (for the dataset map fn, not the template's) ``NOTES_COLUMN``."""
     names = list(batch)
     rows = [dict(zip(names, values)) for values in zip(*batch.values())]
     mapped, notes = map_rows(rows, _numbers(batch, indices), fn, source, role)
@@ -152,7 +151,7 @@ def map_batch(batch: dict[str, list], indices: Sequence[int], fn: Callable, sour
     for i, row in enumerate(mapped):
         for key, value in row.items():
             columns.setdefault(key, [None] * len(mapped))[i] = value
-    if "conversation" in columns and to_arrow:  # one struct type for every batch the map writes
+    if "conversation" in columns:  # one struct type for every batch the map writes
         columns["conversation"] = [with_every_key(c) for c in columns["conversation"]]
     if role != "template_map_fn":  # the dataset's map fn (a source's ``map_fn`` too)
         columns[NOTES_COLUMN] = ["\n".join(n) for n in notes]
@@ -408,6 +407,16 @@ def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], te
     if features is not None:
         batch = python_batch(batch, features)
     if template_map_fn is not None:
-        batch = {**batch, **map_batch(batch, indices, template_map_fn, source, role="template_map_fn",
-                                      to_arrow=False)}
+        batch = {**batch, "conversation": templated(batch["conversation"], _numbers(batch, indices), template_map_fn,
+                                                    source)}
     return encode_batch_arrays(batch, indices, source=source, **encode_args)
+
+
+def templated(conversations: Sequence[Any], row_numbers: Sequence[int], template_map_fn: Callable,
+              source: str | None) -> list:
+    """The built-in template map fn (the one that folds into the encode stage, ``pipeline.folds_into_encode``)
+    on each conversation, a failure named by its row: it reads and returns the conversation alone, so each
+    row is handed over as only that, not rebuilt whole from the batch's columns and back (``map_batch``)."""
+    safe = SafeMapFn(template_map_fn, source, role="template_map_fn")
+    return [safe({"conversation": conversation}, number)["conversation"]
+            for conversation, number in zip(conversations, row_numbers)]
