@@ -100,7 +100,7 @@ def iter_json_rows(path: str | Path, field: str | None = None,
                     yield from _iter_json_document(path, field, decoder)  # one object spread over several lines
                     return
                 raise DatasetError(f"{path}, line {line_no}: invalid JSON{_json_problem(exc)}") from None
-            if "\\ud" in line.lower():
+            if "\\u" in line and "\\ud" in line.lower():  # JSON writes escapes with a lowercase u
                 _check_surrogates(row, path, f"line {line_no}")
             yield f"line {line_no}", row
             _forget(duplicates)  # the row may be freed now, and its objects' ids reused
@@ -323,9 +323,10 @@ def _row_kinds(fields: dict, standard_row: bool) -> Iterator[tuple[str, str]]:
     if conversation:
         yield "conversation[]", "object"
     for turn in conversation:
-        others = {key: value for key, value in turn.items() if key not in _TURN_TEXT}
-        if others:
-            yield from _field_kinds(others, "conversation[].")
+        if _TURN_TEXT.issuperset(turn):  # texts only (most turns): nothing left to type
+            continue
+        yield from _field_kinds({key: value for key, value in turn.items() if key not in _TURN_TEXT},
+                                "conversation[].")
 
 
 def _field_kinds(value: dict, prefix: str = "") -> Iterator[tuple[str, str]]:
