@@ -2,7 +2,8 @@
 `ray start --address=...`, one worker CPU each: 2 worker processes): the same samples, report counts and
 (within 0.1 %) packing efficiency as the local command, both nodes running blocks; the same shards for the
 same --shard-rows; a killed worker's block is run again without a duplicate or a missing row; the command
-joins the cluster by the head's address; `train` loads the folder."""
+joins the cluster by the head's address; `train` loads the folder; `ray job submit` to the head's dashboard
+runs the command on the cluster (with `ray[default]`, the dashboard's dependencies; else that test skips)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,11 @@ from sfttool.registry import build
 from sfttool.tools.process_dataset import load_processed_dataset, process_dataset
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'sfttool[ray]'")
+try:  # the module Ray itself imports to tell `ray` from `ray[default]` (get_dashboard_dependency_error)
+    import ray.dashboard.optional_deps  # noqa: F401
+    DASHBOARD = True
+except ImportError:
+    DASHBOARD = False
 
 from sfttool.tools.process_ray import pipeline_args, ray_process_dataset  # noqa: E402
 
@@ -119,8 +125,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two Ray nodes simulated on this machine, one worker CPU each (so 2 worker processes): `ray start
-    --head`, then `ray start --address=HEAD`; this process joins as a driver. At the end, also after a
-    failure, the nodes' processes are stopped (``stop_nodes``). The workers import ``ray_test_fns``."""
+    --head`, then `ray start --address=HEAD`; this process joins as a driver. With `ray[default]` the head
+    runs its dashboard on 127.0.0.1 (where `ray job submit` sends a job; ``dashboard`` is its URL, else None).
+    Each node's dashboard agent gets a port of its own: its default, 52365, would be taken by the first node
+    of the machine (the other's agent then runs without HTTP). At the end, also after a failure, the nodes'
+    processes are stopped (``stop_nodes``). The workers import ``ray_test_fns``."""
     folder = tmp_path_factory.mktemp("ray_fns")
     (folder / "ray_test_fns.py").write_text(KILLER)
     # Token authentication, which the head may require, would need the token on every node: off here.
@@ -134,17 +143,23 @@ def cluster(tmp_path_factory):
     ray_cli, port = str(Path(sys.executable).with_name("ray")), free_port()
     node = ["--num-cpus=1", f"--object-store-memory={150 * 1024 ** 2}", "--node-ip-address=127.0.0.1"]
 
-    def run(*args: str) -> None:
+    dashboard = free_port() if DASHBOARD else None
+    head_dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
+                      if DASHBOARD else ["--include-dashboard=false"])
+
+    def run(*args: str) -> str:
         done = subprocess.run([ray_cli, *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
 
     try:
         run("start", "--head", f"--port={port}", f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
-            "--include-dashboard=false", *node)
-        run("start", f"--address=127.0.0.1:{port}", *node)
+            *head_dashboard, f"--dashboard-agent-listen-port={free_port()}", *node)
+        run("start", f"--address=127.0.0.1:{port}", f"--dashboard-agent-listen-port={free_port()}", *node)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, logging_level="ERROR",
                  runtime_env={"env_vars": env})
-        yield SimpleNamespace(folder=folder, address=f"127.0.0.1:{port}")
+        yield SimpleNamespace(folder=folder, address=f"127.0.0.1:{port}", run=run,
+                              dashboard=f"http://127.0.0.1:{dashboard}" if DASHBOARD else None)
     finally:
         ray.shutdown()
         stop_nodes([temp_dir, f":{port} "])
@@ -277,7 +292,8 @@ def test_what_ray_cannot_read_is_refused(tmp_path, tiny_tokenizer_dir, cluster):
 
 
 def test_cli_joins_the_cluster_at_its_address(tmp_path, tiny_tokenizer_dir, data_files, cluster):
-    """The command, as a new driver, sent to the head by its address (last: the module's driver leaves)."""
+    """The command, as a new driver, sent to the head by its address (after the tests that use the module's
+    driver: it leaves)."""
     from sfttool.dataset.collate_fns import default_collate_fn
 
     ray.shutdown()
@@ -301,6 +317,32 @@ def test_cli_joins_the_cluster_at_its_address(tmp_path, tiny_tokenizer_dir, data
     assert len(dataset) == manifest["rows"]
     batch = default_collate_fn([dataset[0], dataset[1]])["data"]
     assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
+
+
+def test_ray_job_submit_runs_the_command_on_the_cluster(tmp_path, tiny_tokenizer_dir, data_files, cluster):
+    """The documented form, `ray job submit` to the head's dashboard: the config in --working-dir (uploaded
+    with the job), --out an absolute path every node sees, `--ray` alone (the job's RAY_ADDRESS). The job's
+    driver runs on the head; 4 blocks of 120 rows on both nodes give the local command's 4 shards of 120.
+    (After the module driver left: the job needs none here.)"""
+    if cluster.dashboard is None:
+        pytest.skip("`ray job submit` needs the head's dashboard: pip install 'ray[default]'")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    cfg = write_config(job_dir, tiny_tokenizer_dir, data_files)
+    out = tmp_path / "out"
+    sfttool = str(Path(sys.executable).with_name("sfttool"))  # the job's shell may not have this venv on PATH
+    output = cluster.run("job", "submit", "--address", cluster.dashboard, "--working-dir", str(job_dir), "--",
+                         sfttool, "process-dataset", "cfg.py", "--out", str(out), "--shard-rows", "120", "--ray")
+    assert "succeeded" in output and "Ray: 4 blocks on 2 of 2 node(s), 2 worker processes" in output, output
+    manifest = json.loads((out / "manifest.json").read_text())
+    figures = manifest["ray"]
+    assert figures["address"] is None  # no --ray address: the job's RAY_ADDRESS
+    assert (figures["nodes"], figures["cpus"], figures["blocks"], figures["nodes_used"]) == (2, 2, 4, 2)
+    local = process_dataset(cfg, tmp_path / "local", shard_rows=120)
+    assert [s["fingerprint"] for s in manifest["shards"]] == [s["fingerprint"] for s in local["shards"]]
+    assert manifest["fingerprint"] == local["fingerprint"] and manifest["tokens"] == local["tokens"]
+    assert samples_of(load_processed_dataset(out)) == samples_of(load_processed_dataset(tmp_path / "local"))
+    assert manifest["report"]["rows_in"] == 400 and sum(manifest["report"]["dropped"].values()) == 3
 
 
 def test_an_address_with_nothing_there_is_said_at_once(tmp_path, tiny_tokenizer_dir, data_files):
