@@ -58,3 +58,19 @@ def test_a_batch_longer_than_a_chunk_is_encoded_in_order(tiny_tokenizer_dir, mon
     # each slice ends at the text that takes it to 100 characters (a longer text is a slice of its own)
     assert all(sum(map(len, c)) >= 100 > sum(map(len, c[:-1])) for c in chunks[:-1])
     assert (tokens.batch_token_ids(tok, texts), tokens.batch_token_ids(tok, texts, with_offsets=True)) == whole
+
+
+def test_repeated_texts_are_tokenized_once_with_the_same_ids(tiny_tokenizer_dir, monkeypatch):
+    """Template mode's pieces repeat texts (the SEP after every turn): each distinct text is tokenized once."""
+    from sfttool.dataset import encode
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    texts = ["\n", "<|im_start|>user\nhello<|im_end|>\n", "\n", "héllo", "\n", "héllo", "tab\tand"]
+    tokenized = []
+    monkeypatch.setattr(encode, "batch_token_ids", lambda t, batch: tokenized.append(list(batch)) or
+                        batch_token_ids(t, batch))
+    assert encode.distinct_token_ids(tok, texts) == batch_token_ids(tok, texts)
+    assert tokenized == [["\n", "<|im_start|>user\nhello<|im_end|>\n", "héllo", "tab\tand"]]
+    tokenized.clear()
+    assert encode.distinct_token_ids(tok, TEXTS[1:4]) == batch_token_ids(tok, TEXTS[1:4])
+    assert tokenized == [TEXTS[1:4]]  # nothing repeated: the list as it is
