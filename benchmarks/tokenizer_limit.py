@@ -21,7 +21,10 @@ tokenizer's chat template):
 - ``load_dataset``'s own CPU time in each run (``load_cpu_seconds``: reading the
   file into Arrow, and its first use's imports), and the fraction of the limit
   by the CPU time of the pipeline's work after it (``cpu_fraction_after_load``).
-  For the stream, whose reading happens as it is iterated, only the call counts.
+  For the stream, whose reading happens as it is iterated, only the call counts;
+- the same fraction against the limit measured in the pipeline case's own process, before and after
+  its run (the mean rate; ``cpu_fraction_after_load_here``, column ``here``): both sides under the same
+  load, where the limit's own process, a minute apart on a shared machine, may run 30 % faster or slower.
 
 Any other encode entry point (a lazy dataset's reads, a worker's batches) is
 measured the same way: ``--entry NAME=FILE.py:FUNCTION`` adds the cases
@@ -169,7 +172,10 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
     tok = AutoTokenizer.from_pretrained(tok_dir)
     kind, _, layout = case.rpartition("_") if case != "limit" else ("limit", "", "")
     runs = {"map": run_map, "stream": run_stream, **{name: load_entry(spec) for name, spec in (entries or {}).items()}}
-    texts = texts_to_tokenize(data_file, tok, template) if kind == "limit" else None  # the tokenizer alone
+    texts = texts_to_tokenize(data_file, tok, template)  # the tokenizer alone (a case's limit here: below)
+    # A pipeline case measures the limit in its own process too, before and after its run (mean rate): the
+    # first tokenizer call of a process and the one after a pipeline's each favour one side.
+    before = limit_tokens_per_cpu_s(tok, texts) if kind != "limit" else None
     start = time.perf_counter()
     with CpuMeter() as meter:
         if kind == "limit":
@@ -184,6 +190,12 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
                                         "tokenizer_share_after_load": round(meter.tokenizer_cpu_seconds
                                                                             / meter.cpu_after_load, 3),
                                         "tokens_per_cpu_s_after_load": round(tokens / meter.cpu_after_load)}
+    if kind != "limit":
+        # The fraction by CPU time with both sides measured in this process, under the same load (the limit's
+        # own process, another minute, can run 30 % faster or slower on a shared machine).
+        limit = (before + limit_tokens_per_cpu_s(tok, texts)) / 2
+        share["limit_tokens_per_cpu_s_here"] = round(limit)
+        share["cpu_fraction_after_load_here"] = round(tokens / meter.cpu_after_load / limit, 3)
     return {"case": case, "cores": cores, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
             "tokens": tokens, "tokens_per_s": round(tokens / seconds), "tokens_per_cpu_s": round(tokens / cpu),
             **share}
@@ -288,7 +300,7 @@ def main(argv=None) -> int:
                                                            for layout in ("packed", "unpacked"))
     results = []
     print(f"{'cores':>5} {'case':16} {'seconds':>8} {'tokens/s':>10} {'of limit':>8} {'cpu s':>7} {'of limit':>8} "
-          f"{'load s':>6} {'after load':>10} {'tokenizer':>9} {'after load':>10}")
+          f"{'load s':>6} {'after load':>10} {'tokenizer':>9} {'after load':>10} {'here':>6}")
     for n in cores:
         limit = None
         for case in cases:
@@ -302,7 +314,8 @@ def main(argv=None) -> int:
             print(f"{n:5} {case:16} {r['seconds']:8.2f} {r['tokens_per_s']:10} {r['fraction_of_limit']:8.1%} "
                   f"{r['cpu_seconds']:7.2f} {r['cpu_fraction_of_limit']:8.1%} {r.get('load_cpu_seconds', 0):6.2f} "
                   f"{r['cpu_fraction_after_load']:10.1%} {r.get('tokenizer_cpu_share', 1.0):9.1%} "
-                  f"{r.get('tokenizer_share_after_load', 1.0):10.1%}", flush=True)
+                  f"{r.get('tokenizer_share_after_load', 1.0):10.1%} "
+                  f"{r.get('cpu_fraction_after_load_here', 1.0):6.1%}", flush=True)
     write_report(args.out, "tokenizer_limit", rows=args.rows, max_length=args.max_length, tokenizer=tok_name,
                  template=args.template,
                  load_average=[round(x, 2) for x in os.getloadavg()], results=results)
