@@ -40,6 +40,7 @@ Each measurement runs in a fresh process pinned to 1, 2, ... cores
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --template hf_chat_template
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --entry lazy=my_bench.py:run_lazy
     python benchmarks/tokenizer_limit.py --rows 2000 --cores 1 --cases map_packed
+    python benchmarks/tokenizer_limit.py --rows 2000 --alternate 10 --out results/tokenizer_limit_alternate.json
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "template) -> tokens produced (FILE.py or an importable module); repeatable")
     p.add_argument("--cases", default=",".join(CASES), help=f"the cases to run, comma-separated (default: all: "
                    f"{', '.join(CASES)}); the limit always runs")
+    p.add_argument("--alternate", type=int, default=0, metavar="N",
+                   help="instead of the cases: in one process on one core, the limit and the map-style packed "
+                        "pipeline in turn N times (warm), each pair's fraction and the medians")
     p.add_argument("--out", type=Path, default=HERE / "results" / "tokenizer_limit.json")
     args = p.parse_args(argv)
     args.cases = set(args.cases.split(",")) | {"limit"}
@@ -287,8 +291,52 @@ def in_child(*args) -> dict:
         return pool.apply(measure, args)
 
 
+def alternate(times: int, tok_dir: str, data_file: str, max_length: int, template: str) -> dict:
+    """The limit and the map-style packed pipeline in turn, ``times`` times in this process on one core, with
+    fresh caches each time: each pair's fraction of the limit by CPU time after loading, measured a few
+    seconds apart under the same load, and the tokenizer's share."""
+    import statistics
+
+    import datasets  # noqa: F401
+    from transformers import AutoTokenizer
+
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:1]))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    texts = texts_to_tokenize(data_file, tok, template)
+    pairs = []
+    for i in range(times):
+        cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
+        os.environ.update(HF_DATASETS_CACHE=os.path.join(cache, "datasets"), SFTTOOL_CACHE=os.path.join(cache, "sft"))
+        datasets.config.HF_DATASETS_CACHE = os.environ["HF_DATASETS_CACHE"]
+        limit = limit_tokens_per_cpu_s(tok, texts)
+        with CpuMeter() as meter:
+            tokens = run_map(tok, data_file, max_length, True, template)
+        tokens = tokens()
+        pair = {"fraction_after_load": round(tokens / meter.cpu_after_load / limit, 3),
+                "tokenizer_share_after_load": round(meter.tokenizer_cpu_seconds / meter.cpu_after_load, 3),
+                "pipeline_cpu_seconds_after_load": round(meter.cpu_after_load, 2)}
+        pairs.append(pair)
+        print(f"{i:3} fraction {pair['fraction_after_load']:6.1%}  tokenizer share {pair['tokenizer_share_after_load']:6.1%}"
+              f"  (pipeline {pair['pipeline_cpu_seconds_after_load']:.2f} s after loading)", flush=True)
+    medians = {key: statistics.median(p[key] for p in pairs) for key in ("fraction_after_load",
+                                                                          "tokenizer_share_after_load")}
+    print(f"median fraction {medians['fraction_after_load']:.1%}, tokenizer share "
+          f"{medians['tokenizer_share_after_load']:.1%}")
+    return {"pairs": pairs, "medians": medians}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.alternate:
+        tok_dir, tok_name = tokenizer_dir()
+        data_file = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
+        with open(data_file, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
+        result = alternate(args.alternate, tok_dir, data_file, args.max_length, args.template)
+        write_report(args.out, "tokenizer_limit_alternate", rows=args.rows, max_length=args.max_length,
+                     tokenizer=tok_name, template=args.template,
+                     tokenizers_parallelism=os.environ.get("TOKENIZERS_PARALLELISM"), **result)
+        return 0
     available = len(os.sched_getaffinity(0))
     cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted({1, min(2, available), available})
     tok_dir, tok_name = tokenizer_dir()
