@@ -117,6 +117,19 @@ def test_tokenizer_limit_benchmark(tmp_path, template):
     assert len(pipeline_tokens) == 1  # map-style and stream, packed or not, keep every token
     for r in results.values():
         assert r["cores"] == 1 and r["tokens_per_s"] > 0 and 0 < r["fraction_of_limit"] <= 1.5
+    for case, r in results.items():  # the limit measured again in the case's own process
+        assert case == "limit" or (r["limit_tokens_per_cpu_s_here"] > 0 and r["cpu_fraction_after_load_here"] > 0)
+
+
+@pytest.mark.slow
+def test_tokenizer_limit_alternating_in_one_process(tmp_path):
+    out = tmp_path / "alternate.json"
+    run([sys.executable, str(BENCH / "tokenizer_limit.py"), "--rows", "30", "--alternate", "2", "--out", str(out)],
+        tmp_path)
+    report = json.loads(out.read_text())
+    assert len(report["pairs"]) == 2
+    for pair in report["pairs"]:
+        assert pair["fraction_after_load"] > 0 and 0 < pair["tokenizer_share_after_load"] <= 1
 
 
 def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry(tmp_path):
