@@ -2,7 +2,8 @@
 the projector trained whole beside it, sample generations with an image), `convert pth_to_hf`, `convert
 merge` (its logits on an image+text input equal base + adapter) and `chat --image`; two processes train
 like one with the global batch; a resumed run ends bit-identical to an uninterrupted one. A tiny Gemma 3
-through `check-custom-dataset` and `train`; the shipped image-text configs on tiny models."""
+through `check-custom-dataset`, `train`, `convert` and `chat --image`; the shipped image-text configs on
+tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -105,14 +106,10 @@ def image_input(processor, image):
 
 @pytest.mark.slow
 def test_check_train_convert_merge_and_chat_with_images(tmp_path, image_data, capsys):
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
     from sfttool.cli.main import cli
     from sfttool.engine.train import train
-    from sfttool.tools.convert import pth_to_hf
-    from sfttool.config import load_config
-    from sfttool.tools.merge import merge_adapter
 
     hooks = (f"[dict(type=EvaluateChatHook, tokenizer=tokenizer, evaluation_inputs=['what is it?'], "
              f"evaluation_images={str(image_data['image'])!r}, max_new_tokens=3)]")
@@ -128,24 +125,9 @@ def test_check_train_convert_merge_and_chat_with_images(tmp_path, image_data, ca
     records = (out / "eval_outputs" / "iter_4.jsonl").read_text()
     assert f'"image": "{image_data["image"]}"' in records
 
-    adapter = out / "hf_adapter"
-    converted = pth_to_hf(load_config(str(config)), out / "iter_4.pth", tmp_path / "converted")
+    converted = merged_answers_as_base_and_adapter(tmp_path, config, image_data, out)
     processor = AutoProcessor.from_pretrained(converted)  # the processor travels with the adapter
     assert type(processor).__name__ == "Qwen2_5_VLProcessor"
-    merged = merge_adapter(image_data["model_dir"], converted, tmp_path / "merged")
-    inputs = image_input(AutoProcessor.from_pretrained(merged), image_data["image"])
-    with torch.no_grad():
-        base = AutoModelForImageTextToText.from_pretrained(image_data["model_dir"])
-        base_logits = base(**inputs).logits
-        want = PeftModel.from_pretrained(base, str(adapter))(**inputs).logits
-        got = AutoModelForImageTextToText.from_pretrained(merged)(**inputs).logits
-    assert not torch.allclose(want, base_logits, atol=1e-4)  # the adapter (and the projector) changed something
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-    chatted = CliRunner().invoke(cli, ["chat", str(merged), "--image", str(image_data["image"]), "--prompt",
-                                       "what is it?", "--max-new-tokens", "3", "--temperature", "0"])
-    assert chatted.exit_code == 0, chatted.output
-    assert "the processor's chat template (--image)" in chatted.output
 
 
 @pytest.mark.slow
@@ -172,6 +154,35 @@ def test_check_and_train_gemma3_with_images(tmp_path, image_data, tiny_tokenizer
     assert f'"image": "{image_data["image"]}"' in (out / "eval_outputs" / "iter_4.jsonl").read_text()
     adapter = load_file(out / "hf_adapter" / "adapter_model.safetensors")
     assert any("multi_modal_projector" in k for k in adapter) and any("lora_B" in k for k in adapter)
+    merged_answers_as_base_and_adapter(tmp_path, config, data, out)
+
+
+def merged_answers_as_base_and_adapter(tmp_path, config, data, out):
+    """`convert pth_to_hf` then `convert merge`: the merged model's logits on an image+text input equal the
+    base model's with the adapter (and the projector trained beside it); `chat --image` answers with it."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from sfttool.cli.main import cli
+    from sfttool.config import load_config
+    from sfttool.tools.convert import pth_to_hf
+    from sfttool.tools.merge import merge_adapter
+
+    converted = pth_to_hf(load_config(str(config)), out / "iter_4.pth", tmp_path / "converted")
+    merged = merge_adapter(data["model_dir"], converted, tmp_path / "merged")
+    inputs = image_input(AutoProcessor.from_pretrained(merged), data["image"])
+    with torch.no_grad():
+        base = AutoModelForImageTextToText.from_pretrained(data["model_dir"])
+        base_logits = base(**inputs).logits
+        want = PeftModel.from_pretrained(base, str(out / "hf_adapter"))(**inputs).logits
+        got = AutoModelForImageTextToText.from_pretrained(merged)(**inputs).logits
+    assert not torch.allclose(want, base_logits, atol=1e-4)  # the adapter (and the projector) changed something
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    chatted = CliRunner().invoke(cli, ["chat", str(merged), "--image", str(data["image"]), "--prompt",
+                                       "what is it?", "--max-new-tokens", "3", "--temperature", "0"])
+    assert chatted.exit_code == 0, chatted.output
+    assert "the processor's chat template (--image)" in chatted.output
+    return converted
 
 
 @pytest.mark.slow
