@@ -48,3 +48,30 @@ def test_turns_with_the_same_keys_load_as_structs(tmp_path):
     path.write_text(json.dumps({"conversation": [{"input": "Q", "output": "A"}]}) + "\n")
     assert not json_turns(load_dataset("json", data_files=str(path), split="train",
                                        cache_dir=str(tmp_path / "cache")).features)
+
+
+def test_the_pipeline_gives_the_same_rows_from_json_turns_as_from_struct_turns(tmp_path, tiny_tokenizer):
+    """The same conversations loaded with JSON-text turns (a system prompt on some first turns only) and with
+    struct turns (every turn with every key): the same packed rows, in one map process and in two."""
+    import os
+
+    from sfttool import assets
+    from sfttool.dataset import process_hf_dataset
+    from sfttool.dataset.map_fns import template_map_fn_factory
+
+    rows = assets.tiny_conversations(80, seed=3)
+    every_key = [{"conversation": [{"system": "", **turn} for turn in row["conversation"]]} for row in rows]
+    runs = {}
+    for name, data in (("json", rows), ("struct", every_key)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in data))
+        for num_proc in ((1, 2) if name == "json" and (os.cpu_count() or 1) > 1 else (1,)):
+            loaded = dict(type=load_dataset, path="json", data_files=str(path),
+                          cache_dir=str(tmp_path / f"cache-{name}-{num_proc}"))
+            out = process_hf_dataset(dataset=loaded, tokenizer=tiny_tokenizer, max_length=128,
+                                     template_map_fn=template_map_fn_factory("qwen_chat"), map_num_proc=num_proc)
+            runs[name, num_proc] = out.to_list()
+    features = {name: load_dataset("json", data_files=str(tmp_path / f"{name}.jsonl"), split="train",
+                                   cache_dir=str(tmp_path / "cache-check")).features for name in ("json", "struct")}
+    assert json_turns(features["json"]) and not json_turns(features["struct"])  # both paths were taken
+    assert all(rows_out == runs["struct", 1] for rows_out in runs.values()) and len(runs["struct", 1]) > 1
