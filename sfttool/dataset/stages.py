@@ -368,9 +368,12 @@ def gc_paused():
 def json_turns(features) -> bool:
     """Whether ``conversation`` holds each turn as JSON text (``List(Json)``): ``datasets`` loads turns so
     when their keys differ between rows (a ``system`` on the first turn only)."""
-    from datasets import Json, List
+    import datasets
+    json_type, list_type = getattr(datasets, "Json", None), getattr(datasets, "List", None)
+    if json_type is None or list_type is None:  # datasets before 5 has no Json feature
+        return False
     feature = features.get("conversation")
-    return isinstance(feature, List) and isinstance(feature.feature, Json) and feature.feature.decode
+    return isinstance(feature, list_type) and isinstance(feature.feature, json_type) and feature.feature.decode
 
 
 def python_batch(table, features) -> dict[str, list]:
@@ -379,7 +382,10 @@ def python_batch(table, features) -> dict[str, list]:
     per turn (``datasets`` decodes each turn's text through its nested features: two thirds of the cost of
     handing the encode stage its batch), with the parser ``datasets`` uses, so the values are the same."""
     import pyarrow as pa
-    from datasets.utils.json import ujson_loads
+    try:
+        from datasets.utils.json import ujson_loads  # what datasets' Json feature decodes with
+    except ImportError:  # a datasets without that helper: the standard parser (floats exact to the text)
+        from json import loads as ujson_loads
     batch = {}
     for name in table.column_names:
         column = table.column(name)
