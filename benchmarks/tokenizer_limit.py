@@ -166,8 +166,7 @@ def measure(case: str, cores: int, tok_dir: str, data_file: str, max_length: int
             entries: dict[str, str] | None = None) -> dict:
     """One case in this (fresh, spawned) process, pinned to the first ``cores`` cores."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
-    cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
-    os.environ.update(HF_DATASETS_CACHE=os.path.join(cache, "datasets"), SFTTOOL_CACHE=os.path.join(cache, "sft"))
+    fresh_caches()
     import datasets  # noqa: F401  imported before the clock: a training process has them loaded already
     from transformers import AutoTokenizer
 
@@ -291,13 +290,21 @@ def in_child(*args) -> dict:
         return pool.apply(measure, args)
 
 
+def fresh_caches() -> None:
+    """Empty caches for the next run: ``datasets``' (also in a process that imported it already) and sfttool's."""
+    cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
+    os.environ.update(HF_DATASETS_CACHE=os.path.join(cache, "datasets"), SFTTOOL_CACHE=os.path.join(cache, "sft"))
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_DATASETS_CACHE = os.environ["HF_DATASETS_CACHE"]
+
+
 def alternate(times: int, tok_dir: str, data_file: str, max_length: int, template: str) -> dict:
     """The limit and the map-style packed pipeline in turn, ``times`` times in this process on one core, with
     fresh caches each time: each pair's fraction of the limit by CPU time after loading, measured a few
     seconds apart under the same load, and the tokenizer's share."""
     import statistics
 
-    import datasets  # noqa: F401
+    import datasets  # noqa: F401  imported before the clock, as in measure()
     from transformers import AutoTokenizer
 
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:1]))
@@ -305,9 +312,7 @@ def alternate(times: int, tok_dir: str, data_file: str, max_length: int, templat
     texts = texts_to_tokenize(data_file, tok, template)
     pairs = []
     for i in range(times):
-        cache = tempfile.mkdtemp(prefix="tokenizer-limit-")
-        os.environ.update(HF_DATASETS_CACHE=os.path.join(cache, "datasets"), SFTTOOL_CACHE=os.path.join(cache, "sft"))
-        datasets.config.HF_DATASETS_CACHE = os.environ["HF_DATASETS_CACHE"]
+        fresh_caches()
         limit = limit_tokens_per_cpu_s(tok, texts)
         with CpuMeter() as meter:
             tokens = run_map(tok, data_file, max_length, True, template)
@@ -327,11 +332,11 @@ def alternate(times: int, tok_dir: str, data_file: str, max_length: int, templat
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    tok_dir, tok_name = tokenizer_dir()
+    data_file = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
+    with open(data_file, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
     if args.alternate:
-        tok_dir, tok_name = tokenizer_dir()
-        data_file = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
-        with open(data_file, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
         result = alternate(args.alternate, tok_dir, data_file, args.max_length, args.template)
         write_report(args.out, "tokenizer_limit_alternate", rows=args.rows, max_length=args.max_length,
                      tokenizer=tok_name, template=args.template,
@@ -339,10 +344,6 @@ def main(argv=None) -> int:
         return 0
     available = len(os.sched_getaffinity(0))
     cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted({1, min(2, available), available})
-    tok_dir, tok_name = tokenizer_dir()
-    data_file = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
-    with open(data_file, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in conversations(args.rows, seed=0))
     entries = dict(entry.split("=", 1) for entry in args.entry)
     cases = tuple(c for c in CASES if c in args.cases) + tuple(f"{name}_{layout}" for name in entries
                                                            for layout in ("packed", "unpacked"))

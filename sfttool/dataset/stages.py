@@ -406,7 +406,7 @@ def python_batch(table, features) -> dict[str, list]:
 @gc_paused()
 def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], template_map_fn: Callable | None,
                               source: str | None = None, features=None, **encode_args: Any):
-    """The template stage (``map_batch`` with ``template_map_fn``, when given), then the encode stage
+    """The template stage (``templated``, with the built-in ``template_map_fn`` when given), then the encode stage
     (``encode.encode_batch_arrays``), each run once on the batch: one ``datasets.map`` where two would write
     every conversation to Arrow and read it back in between. Same samples as the two stages apart.
     ``features``: the batch is an Arrow table of rows with these features (``python_batch``)."""
