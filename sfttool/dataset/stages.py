@@ -421,8 +421,17 @@ def template_and_encode_batch(batch: dict[str, list], indices: Sequence[int], te
 def templated(conversations: Sequence[Any], row_numbers: Sequence[int], template_map_fn: Callable,
               source: str | None) -> list:
     """The built-in template map fn (the one that folds into the encode stage, ``pipeline.folds_into_encode``)
-    on each conversation, a failure named by its row: it reads and returns the conversation alone, so each
-    row is handed over as only that, not rebuilt whole from the batch's columns and back (``map_batch``)."""
+    on each conversation, with its template read once for the batch (``conversation_renderer``). A
+    conversation it fails on is named by its row, as any map fn's failure is (``SafeMapFn``); each row is
+    handed over as its conversation alone, not rebuilt whole from the batch's columns and back (``map_batch``)."""
+    from sfttool.dataset.map_fns.template_map_fn import conversation_renderer
+    from sfttool.dataset.map_fns.template_map_fn import template_map_fn as builtin
+    if getattr(template_map_fn, "func", None) is builtin and set(template_map_fn.keywords) == {"template"}:
+        render = conversation_renderer(template_map_fn.keywords["template"])
+        try:
+            return [render(conversation) for conversation in conversations]
+        except Exception:  # noqa: BLE001  the row and its error are named below
+            pass
     safe = SafeMapFn(template_map_fn, source, role="template_map_fn")
     return [safe({"conversation": conversation}, number)["conversation"]
             for conversation, number in zip(conversations, row_numbers)]

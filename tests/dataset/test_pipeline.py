@@ -451,6 +451,27 @@ def test_a_custom_template_fn_sees_the_rows_as_loaded_and_its_failure_is_named(t
         run(data, tiny_tokenizer, template_map_fn=my_template_map_fn)
 
 
+def test_the_built_in_template_failing_on_a_row_names_it(tiny_tokenizer):
+    # The built-in template renders a batch with its template read once; a row it cannot render (an answer
+    # that is a list, from rows the JSON file check did not see) is named as any template fn's failure is.
+    data = [{"conversation": [{"input": "q", "output": ["a"]}]} for _ in range(3)]
+    data[0] = {"conversation": [{"input": "q", "output": None}]}
+    with pytest.raises(DatasetError, match=r"^row 1: template_map_fn template_map_fn failed: TypeError: "):
+        run(data, tiny_tokenizer)
+
+
+def test_the_built_in_template_renders_a_batch_as_row_by_row():
+    from sfttool.dataset.map_fns.template_map_fn import template_map_fn
+    from sfttool.dataset.stages import templated
+    conversations = [None, [], [{"system": "s", "input": None, "output": "a", "output_with_loss": False},
+                                {"input": "q2", "output": None, "extra": 1}]]
+    for name in ("qwen_chat", "llama3_chat", "default", "hf_chat_template"):
+        template = PROMPT_TEMPLATE[name]
+        batch = templated(conversations, [0, 1, 2], template_map_fn_factory(name), None)
+        assert batch == [template_map_fn({"conversation": c}, template)["conversation"] for c in conversations]
+        assert batch[2] != conversations[2] or name == "hf_chat_template"
+
+
 def test_row_numbers_stay_out_of_the_rows(tiny_tokenizer):
     from sfttool.dataset.errors import ROW_COLUMN
     data = [{"conversation": [{"input": "q", "output": "a"}], "id": i} for i in range(3)]

@@ -7,7 +7,7 @@ the text a model is trained on is the text it is prompted with.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sfttool.registry import MAP_FUNC
 from sfttool.utils.templates import get_template, is_hf_chat_template
@@ -26,8 +26,7 @@ def render_input(template: Mapping[str, Any], input: str | None, system: str | N
 
 
 def _input_formats(template: Mapping[str, Any]) -> tuple[str, str]:
-    """``(SYSTEM, INSTRUCTION)``, read once per conversation: a config's template is a ``ConfigDict``,
-    whose ``get`` costs a few microseconds, on every turn of every row."""
+    """``(SYSTEM, INSTRUCTION)``, read once per conversation or batch (``conversation_renderer``)."""
     return template.get("SYSTEM", "{system}\n"), template.get("INSTRUCTION", "{input}")
 
 
@@ -55,23 +54,33 @@ def template_map_fn(example: Mapping[str, Any], template: Mapping[str, Any]) -> 
     not modified. With the hf_chat_template the row is returned unchanged:
     the encoder renders it with the tokenizer's own chat template.
     """
-    conversation = example.get("conversation") or []
+    return {"conversation": conversation_renderer(template)(example.get("conversation"))}
+
+
+def conversation_renderer(template: Mapping[str, Any]) -> Callable[[list[dict] | None], list[dict]]:
+    """``template_map_fn``'s work on one conversation, with the template read once: a config's template is
+    an mmengine ``ConfigDict``, whose ``get`` costs microseconds, and the encode stage renders a batch of
+    conversations with one template (``stages.templated``)."""
     if is_hf_chat_template(template):
-        return {"conversation": list(conversation)}
+        return lambda conversation: list(conversation or [])
     suffix = template.get("SUFFIX") or ""
     need_eos_token = not template.get("SUFFIX_AS_EOS", False)
     sep = template.get("SEP") or ""
     system_format, instruction = _input_formats(template)
-    rendered = []
-    for i, turn in enumerate(conversation):
-        new_turn = dict(turn)
-        new_turn["input"] = _render_input(system_format, instruction, turn.get("input"), turn.get("system"), i + 1)
-        if turn.get("output") is not None:
-            new_turn["output"] = turn["output"] + suffix
-        new_turn["need_eos_token"] = need_eos_token
-        new_turn["sep"] = sep
-        rendered.append(new_turn)
-    return {"conversation": rendered}
+
+    def render(conversation: list[dict] | None) -> list[dict]:
+        rendered = []
+        for i, turn in enumerate(conversation or []):
+            new_turn = dict(turn)
+            new_turn["input"] = _render_input(system_format, instruction, turn.get("input"), turn.get("system"),
+                                              i + 1)
+            if turn.get("output") is not None:
+                new_turn["output"] = turn["output"] + suffix
+            new_turn["need_eos_token"] = need_eos_token
+            new_turn["sep"] = sep
+            rendered.append(new_turn)
+        return rendered
+    return render
 
 
 @MAP_FUNC.register_module()
