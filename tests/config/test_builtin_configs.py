@@ -44,7 +44,7 @@ OTHER_CONFIGS = {"demo_smollm2_135m_lora_self_identity_e3", "qwen3_8b_lora_reaso
                  # image-text fine-tuning (docs/multimodal.md)
                  "qwen2_5_vl_3b_instruct_lora_llava_instruct_e1", "qwen2_5_vl_3b_instruct_qlora_llava_instruct_e1",
                  "qwen2_5_vl_7b_instruct_lora_llava_instruct_e1", "qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1",
-                 "llava_1_5_7b_hf_qlora_llava_instruct_e1"}
+                 "llava_1_5_7b_hf_qlora_llava_instruct_e1", "gemma3_4b_it_qlora_llava_instruct_e1"}
 FAMILIES = {  # model prefix -> (template, needs trust_remote_code)
     "qwen2_5_0_5b_instruct": ("qwen_chat", False),
     "qwen2_5_1_5b_instruct": ("qwen_chat", False),

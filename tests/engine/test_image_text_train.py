@@ -236,7 +236,8 @@ def test_two_ranks_train_image_text_like_one_rank_with_the_global_batch(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, arch", [("qwen2_5_vl_7b_instruct_qlora_llava_instruct_e1", "qwen2_5_vl"),
-                                        ("llava_1_5_7b_hf_qlora_llava_instruct_e1", "llava")])
+                                        ("llava_1_5_7b_hf_qlora_llava_instruct_e1", "llava"),
+                                        ("gemma3_4b_it_qlora_llava_instruct_e1", "gemma3")])
 def test_the_shipped_image_text_configs_train_a_tiny_model(tmp_path, image_data, tiny_tokenizer_dir, name, arch):
     """The built-in configs with their model, data and images swapped for tiny local ones (QLoRA on CPU):
     one optimizer step, sample answers about the image before and after."""
