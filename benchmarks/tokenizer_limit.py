@@ -299,9 +299,10 @@ def fresh_caches() -> None:
 
 
 def alternate(times: int, tok_dir: str, data_file: str, max_length: int, template: str) -> dict:
-    """The limit and the map-style packed pipeline in turn, ``times`` times in this process on one core, with
-    fresh caches each time: each pair's fraction of the limit by CPU time after loading, measured a few
-    seconds apart under the same load, and the tokenizer's share."""
+    """The limit and the map-style packed pipeline in turn, ``times`` times in this process on one core (the
+    limit first in even pairs, second in odd ones), with fresh caches each time: each pair's fraction of the
+    limit by CPU time after loading, measured a few seconds apart under the same load, and the tokenizer's
+    share."""
     import statistics
 
     import datasets  # noqa: F401  imported before the clock, as in measure()
@@ -313,10 +314,12 @@ def alternate(times: int, tok_dir: str, data_file: str, max_length: int, templat
     pairs = []
     for i in range(times):
         fresh_caches()
-        limit = limit_tokens_per_cpu_s(tok, texts)
+        # The order flips every pair: whichever runs first or second in a pair is not always the same side.
+        limit = limit_tokens_per_cpu_s(tok, texts) if i % 2 == 0 else None
         with CpuMeter() as meter:
             tokens = run_map(tok, data_file, max_length, True, template)
         tokens = tokens()
+        limit = limit or limit_tokens_per_cpu_s(tok, texts)
         pair = {"fraction_after_load": round(tokens / meter.cpu_after_load / limit, 3),
                 "tokenizer_share_after_load": round(meter.tokenizer_cpu_seconds / meter.cpu_after_load, 3),
                 "pipeline_cpu_seconds_after_load": round(meter.cpu_after_load, 2)}
