@@ -26,7 +26,8 @@ import torch
 
 from sfttool import compat
 from sfttool.model import moe
-from sfttool.model.vision import is_vision_language, language_model_prefix, language_model_targets, vision_modules
+from sfttool.model.vision import (is_vision_language, language_model_prefix, language_model_targets, pooling_heads,
+                                  vision_modules)
 from sfttool.registry import ConfigBuildError, build_if_config
 
 LORA_TARGETS = ("all", "attention", "experts")
@@ -224,14 +225,16 @@ def vision_language_targets(llm: torch.nn.Module, lora_config: Any, lora_targets
 
 
 def vision_tower_targets(llm: torch.nn.Module, tower: list[str], projector: list[str]) -> str:
-    """A pattern for the linear layers of the vision tower, the projector inside it left out.
+    """A pattern for the linear layers of the vision tower, the projector and any pooling head inside it
+    (``vision.pooling_heads``: nothing it computes reaches the loss) left out.
 
     Qwen2.5-VL -> '(?:.*\\.)?model\\.visual\\.(?!(?:merger)\\.).*\\.(?:down_proj|gate_proj|proj|qkv|up_proj)'"""
     prefix = tower[0]
-    inside = [p[len(prefix) + 1:] for p in projector if p.startswith(prefix + ".")]
+    left_out = projector + pooling_heads(llm)
+    inside = [p[len(prefix) + 1:] for p in left_out if p.startswith(prefix + ".")]
     names = sorted({name.rsplit(".", 1)[-1] for name, module in llm.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith(prefix + ".")
-                    and not any(name.startswith(p + ".") for p in projector)})
+                    and not any(name.startswith(p + ".") for p in left_out)})
     skip = f"(?!(?:{'|'.join(map(re.escape, inside))})\\.)" if inside else ""
     return rf"(?:.*\.)?{re.escape(prefix)}\.{skip}.*\.(?:{'|'.join(map(re.escape, names))})"
 

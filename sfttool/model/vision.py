@@ -141,9 +141,26 @@ def freeze_parts(llm: Any, freeze_vision_tower: bool, freeze_projector: bool | N
         return
     freeze = {"vision tower": freeze_vision_tower, "language model": freeze_llm,
               "projector": freeze_vision_tower if freeze_projector is None else freeze_projector}
+    heads = pooling_heads(llm)
     for part, params in part_parameters(llm).items():
-        for p in params.values() if freeze[part] else ():
-            p.requires_grad_(False)
+        for name, p in params.items():
+            if freeze[part] or any(name.startswith(head + ".") for head in heads):
+                p.requires_grad_(False)
+
+
+def pooling_heads(llm: Any) -> list[str]:
+    """The qualified names of the vision tower's pooling heads (SigLIP's ``head``, built with
+    ``vision_use_head``). Image-text models read the tower's hidden states, not its pooled output (Gemma 3
+    puts the projector's output in its place), so such a head runs but nothing it computes reaches the
+    loss: trained, it would get no gradient, and DDP stops on a parameter that took no part in the loss.
+    It stays frozen and takes no LoRA."""
+    base = base_model(llm)
+    heads = []
+    for prefix in vision_modules(base)[0]:
+        for name, module in base.get_submodule(prefix).named_modules():
+            if getattr(module, "use_head", False) and isinstance(getattr(module, "head", None), torch.nn.Module):
+                heads.append(".".join(part for part in (prefix, name, "head") if part))
+    return heads
 
 
 def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
