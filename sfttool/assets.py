@@ -339,8 +339,9 @@ def build_tiny_vlm(save_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     elif arch == "llava":
         config = LlavaConfig(
             text_config=dict(text, model_type="llama"),
+            # two layers: LLaVA reads the hidden states before the last (vision_feature_layer=-2), as LLaVA-1.5
             vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
                                projection_dim=32),
             image_token_index=n, tie_word_embeddings=False)
         cls = LlavaForConditionalGeneration

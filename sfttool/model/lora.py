@@ -26,8 +26,8 @@ import torch
 
 from sfttool import compat
 from sfttool.model import moe
-from sfttool.model.vision import (is_vision_language, language_model_prefix, language_model_targets, pooling_heads,
-                                  vision_modules)
+from sfttool.model.vision import (is_vision_language, language_model_prefix, language_model_targets,
+                                  unread_tower_modules, vision_modules)
 from sfttool.registry import ConfigBuildError, build_if_config
 
 LORA_TARGETS = ("all", "attention", "experts")
@@ -225,12 +225,12 @@ def vision_language_targets(llm: torch.nn.Module, lora_config: Any, lora_targets
 
 
 def vision_tower_targets(llm: torch.nn.Module, tower: list[str], projector: list[str]) -> str:
-    """A pattern for the linear layers of the vision tower, the projector and any pooling head inside it
-    (``vision.pooling_heads``: nothing it computes reaches the loss) left out.
+    """A pattern for the linear layers of the vision tower, the projector inside it and the modules whose
+    output the model never reads (``vision.unread_tower_modules``) left out.
 
     Qwen2.5-VL -> '(?:.*\\.)?model\\.visual\\.(?!(?:merger)\\.).*\\.(?:down_proj|gate_proj|proj|qkv|up_proj)'"""
     prefix = tower[0]
-    left_out = projector + pooling_heads(llm)
+    left_out = projector + unread_tower_modules(llm)
     inside = [p[len(prefix) + 1:] for p in left_out if p.startswith(prefix + ".")]
     names = sorted({name.rsplit(".", 1)[-1] for name, module in llm.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith(prefix + ".")

@@ -141,26 +141,49 @@ def freeze_parts(llm: Any, freeze_vision_tower: bool, freeze_projector: bool | N
         return
     freeze = {"vision tower": freeze_vision_tower, "language model": freeze_llm,
               "projector": freeze_vision_tower if freeze_projector is None else freeze_projector}
-    heads = pooling_heads(llm)
+    unread = unread_tower_modules(llm)
     for part, params in part_parameters(llm).items():
         for name, p in params.items():
-            if freeze[part] or any(name.startswith(head + ".") for head in heads):
+            if freeze[part] or any(name.startswith(module + ".") for module in unread):
                 p.requires_grad_(False)
 
 
-def pooling_heads(llm: Any) -> list[str]:
-    """The qualified names of the vision tower's pooling heads (SigLIP's ``head``, built with
-    ``vision_use_head``). Image-text models read the tower's hidden states, not its pooled output (Gemma 3
-    puts the projector's output in its place), so such a head runs but nothing it computes reaches the
-    loss: trained, it would get no gradient, and DDP stops on a parameter that took no part in the loss.
-    It stays frozen and takes no LoRA."""
+def unread_tower_modules(llm: Any) -> list[str]:
+    """The qualified names of the vision tower's modules whose output the model never reads, so that nothing
+    they compute reaches the loss: trained, they would get no gradient, and DDP stops on a trained parameter
+    that took no part in the loss. They stay frozen and take no LoRA. Two kinds:
+
+    - a pooling head (SigLIP's ``head``, built with ``vision_use_head``): image-text models read the tower's
+      hidden states, not its pooled output (Gemma 3 puts its projector's output in its place);
+    - for a model that reads the tower's hidden states at ``vision_feature_layer`` (LLaVA: -2), the encoder
+      layers after the deepest one read, and the tower's ``post_layernorm`` (CLIP and SigLIP apply it to the
+      pooled output or the last hidden state only, neither of which such a model reads)."""
     base = base_model(llm)
-    heads = []
+    unread = []
     for prefix in vision_modules(base)[0]:
-        for name, module in base.get_submodule(prefix).named_modules():
+        tower = base.get_submodule(prefix)
+        for name, module in tower.named_modules():
             if getattr(module, "use_head", False) and isinstance(getattr(module, "head", None), torch.nn.Module):
-                heads.append(".".join(part for part in (prefix, name, "head") if part))
-    return heads
+                unread.append(".".join(part for part in (prefix, name, "head") if part))
+        feature_layer = getattr(base.config, "vision_feature_layer", None)
+        found = _encoder_layers(tower)
+        if feature_layer is None or found is None:
+            continue
+        layers_name, layers = found
+        # hidden_states[k] is the output of the first k layers (0: the embeddings), k < 0 counted from the end
+        read = [k if k >= 0 else len(layers) + 1 + k
+                for k in (feature_layer if isinstance(feature_layer, (list, tuple)) else [feature_layer])]
+        unread += [f"{prefix}.{layers_name}.{i}" for i in range(max(read), len(layers))]
+        unread += [f"{prefix}.{name}" for name, _ in tower.named_children() if name == "post_layernorm"]
+    return unread
+
+
+def _encoder_layers(tower: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    """``(name within the tower, layers)`` of a CLIP/SigLIP-style tower's encoder layers, or None."""
+    for name, module in tower.named_modules():
+        if name.endswith("encoder.layers") and isinstance(module, torch.nn.ModuleList):
+            return name, module
+    return None
 
 
 def check_vision_settings(use_lora: bool, freeze_vision_tower: bool, freeze_projector: bool | None,
