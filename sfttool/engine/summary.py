@@ -17,6 +17,7 @@ from sfttool.engine.assemble import iters_per_epoch, total_iters, train_loop_cfg
 from sfttool.engine.spec import RunSpec
 from sfttool.engine.tracking import auto_tracking_note
 from sfttool.model.vision import trained_parts
+from sfttool.parallel.sampler import shares_rows_by_group
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -130,6 +131,10 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
         per_step = tokens / rows * batch * accum * groups
         data += (f", {tokens:,} tokens; about {per_step:,.0f} tokens per optimizer step "
                  f"(batch {batch} x {accum} accumulation x {processes})")
+    repeated = repeated_rows(cfg, rows, groups)
+    if repeated:
+        data += (f"; the sampler repeats {plural(repeated, 'row')} each epoch so that the {groups} data-parallel "
+                 "processes read as many (round_up=True)")
     steps = run_length(iterations, full, accum, per_epoch)
     if iterations < full:
         steps += f" of the run's {full:,} iterations" + (" (--dry-run)" if spec.dry_run else " (--max-steps)")
@@ -140,6 +145,18 @@ def summary_text(cfg: Any, model: Any, dataset: Any, spec: RunSpec) -> str:
     return (f"Training {source} with {method(cfg, model)} in {dtype} on {device}: {_millions(trained)} of "
             f"{_millions(total)} parameters trained ({100 * trained / max(total, 1):.2f} %).{lora_targets(model)}{trained_parts_note(model)} "
             f"{data}. {steps}. {outputs}.{auto_tracking_note(cfg)}")
+
+
+def repeated_rows(cfg: Any, rows: int, replicas: int) -> int:
+    """The rows the training sampler reads twice each epoch so that every data-parallel process reads as many:
+    mmengine's ``DefaultSampler`` (and ``SequenceParallelSampler``) with ``round_up=True``, the default,
+    takes the first rows of the epoch's order again. 0 for another sampler, whose sharing is its own."""
+    sampler = dict(cfg.get("train_dataloader", {}).get("sampler") or {})
+    if replicas <= 1 or not rows or not sampler.get("round_up", True):
+        return 0
+    if not shares_rows_by_group(sampler.get("type", "DefaultSampler")):
+        return 0
+    return -(-rows // replicas) * replicas - rows
 
 
 def trained_parts_note(model: Any) -> str:

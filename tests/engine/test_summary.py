@@ -49,6 +49,30 @@ def test_tokens_per_step_count_each_sequence_parallel_row_once(tmp_path, tiny_qw
             "sequence-parallel processes)") in split
 
 
+def test_the_summary_says_which_rows_the_sampler_repeats_to_even_out_the_processes(tmp_path, tiny_qwen2_dir):
+    """5 rows over 2 data-parallel processes: mmengine's sampler (round_up=True) reads one of them twice each
+    epoch, which the summary says; none over 1 process, with round_up=False, or when the rows divide."""
+    from datasets import Dataset
+    from mmengine.dataset import DefaultSampler
+
+    from sfttool.engine.spec import TrainOptions, build_spec
+    from sfttool.engine.summary import repeated_rows, summary_text
+    model = _model(tiny_qwen2_dir)
+    rows = Dataset.from_dict({"input_ids": [[1] * 10] * 5})
+    cfg = Config(dict(model=dict(llm=dict(pretrained_model_name_or_path="m")),
+                      train_dataloader=dict(batch_size=1, sampler=dict(type=DefaultSampler, shuffle=True)),
+                      train_cfg=dict(max_iters=4), optim_wrapper=dict(accumulative_counts=1)))
+    options = TrainOptions(work_dir=str(tmp_path))
+    said = "; the sampler repeats 1 row each epoch so that the 2 data-parallel processes read as many (round_up=True)"
+    assert said in summary_text(cfg, model, rows, build_spec(cfg, options, world_size=2))
+    assert "the sampler repeats" not in summary_text(cfg, model, rows, build_spec(cfg, options, world_size=1))
+    assert [repeated_rows(cfg, n, replicas) for n, replicas in ((5, 2), (5, 4), (8, 4), (5, 1), (0, 2))] == [1, 3, 0, 0, 0]
+    cfg.train_dataloader.sampler.round_up = False
+    assert repeated_rows(cfg, 5, 2) == 0
+    cfg.train_dataloader.sampler = dict(type="InfiniteSampler")  # not one whose sharing the summary knows
+    assert repeated_rows(cfg, 5, 2) == 0
+
+
 def test_the_run_length_counts_iterations_steps_and_epochs_as_the_run_takes_them():
     from sfttool.engine.summary import for_people, run_length
 
